@@ -1,0 +1,32 @@
+"""Developer and CI sessions. `nox -s tests lint typecheck` is what CI runs (see .ci/run)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = None  # the interpreter nox itself runs on (CI: the machine's default, 3.11)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole test suite: unit, mock-clock, in-process and real-process tests."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check over the package, tests and this file."""
+    session.install(".[lint]")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the package."""
+    session.install("-e", ".[typecheck]")
+    session.run("mypy", "--strict", "stargate")

@@ -1,0 +1,140 @@
+"""Frozen settings objects for every part of a replica.
+
+The CLI turns flags and environment variables into these objects; the runtime and the parts only
+ever see the objects. Validation that does not need the network (address syntax, ranges, the metric
+prefix) happens here, so bad input fails before anything is bound or started.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "ConfigError",
+    "ListenAddress",
+    "ServeConfig",
+    "WarmupConfig",
+    "parse_listen_address",
+    "validate_metrics_prefix",
+]
+
+
+class ConfigError(ValueError):
+    """A setting is malformed; the message says which value and what is expected."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """An `IP:port` socket address a listener binds to (port 0 picks a free port)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+def parse_listen_address(text: str) -> ListenAddress:
+    """Parse `IP:port` (`[v6]:port` for IPv6), as the Rust replica's socket-address parser does.
+
+    Host names are refused: a listener binds to an interface address, and resolving a name at
+    start-up would hide which interface was meant.
+    """
+    value = text.strip()
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text:
+        raise ConfigError(f"{text!r} is not an IP:PORT socket address (e.g. 0.0.0.0:8000)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"{text!r}: an IPv6 address must be written in brackets, e.g. [::]:8000")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"{text!r}: {host!r} is not an IP address") from None
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{text!r}: port must be a number from 0 to 65535")
+    return ListenAddress(host=str(ip), port=int(port_text))
+
+
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def validate_metrics_prefix(prefix: str) -> str:
+    """Return `prefix` if metric names built from it are valid Prometheus names."""
+    if prefix and not _METRIC_NAME.match(prefix):
+        raise ConfigError(
+            f"{prefix!r} cannot start a Prometheus metric name "
+            "(letters, digits, '_' and ':' only, not starting with a digit)"
+        )
+    return prefix
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupConfig:
+    """How `/readyz` warms up (decision 2 of the spec).
+
+    `warmup_ms == 0` means ready at start with no sampler. Otherwise a sampler reads the total
+    active backend count every `sample_interval_ms` and promotes once the last
+    `stabilization_window` samples are equal and nonzero; `warmup_ms` is the deadline that promotes
+    regardless.
+    """
+
+    warmup_ms: int = 60_000
+    sample_interval_ms: int = 1_000
+    stabilization_window: int = 5
+
+    def __post_init__(self) -> None:
+        if self.warmup_ms < 0:
+            raise ConfigError("readiness warmup must not be negative")
+        if self.sample_interval_ms <= 0:
+            raise ConfigError("warmup sample interval must be greater than 0")
+        if self.stabilization_window <= 0:
+            raise ConfigError("warmup stabilization window must be greater than 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.warmup_ms > 0
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self.warmup_ms / 1000
+
+    @property
+    def sample_interval_seconds(self) -> float:
+        return self.sample_interval_ms / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `stargate serve` needs to run one replica."""
+
+    stargate_id: str
+    http_listen_addr: ListenAddress = ListenAddress("0.0.0.0", 8000)
+    listen_addr: ListenAddress = ListenAddress("0.0.0.0", 50071)
+    metrics_port: int = 9090
+    metrics_prefix: str = "stargate_"
+    shutdown_drain_timeout_ms: int = 30_000
+    warmup: WarmupConfig = WarmupConfig()
+
+    def __post_init__(self) -> None:
+        if not self.stargate_id:
+            raise ConfigError("stargate id must not be empty")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics port must be from 0 to 65535")
+        if self.shutdown_drain_timeout_ms < 0:
+            raise ConfigError("shutdown drain timeout must not be negative")
+        validate_metrics_prefix(self.metrics_prefix)
+
+    @property
+    def metrics_listen_addr(self) -> ListenAddress:
+        """The metrics listener always binds every interface, as the Rust replica does."""
+        return ListenAddress("0.0.0.0", self.metrics_port)
+
+    @property
+    def shutdown_drain_timeout_seconds(self) -> float:
+        return self.shutdown_drain_timeout_ms / 1000

@@ -1,0 +1,179 @@
+"""Readiness: a one-way warmup latch, a draining flag, and the sampler that ends warmup early.
+
+`/readyz` answers 200 only when warmup is over and the replica is not draining. Warmup is a trio
+cancel scope (the "cancellable readiness scope"): the sampler runs inside it, and warmup ends when
+the scope ends, whichever comes first of
+
+* stabilization: the total active backend count read from the routing state has been nonzero and
+  unchanged for `stabilization_window` samples;
+* the deadline (`--readiness-warmup-ms`), which promotes even with zero backends;
+* shutdown: `begin_draining()` cancels the scope, so nothing ever waits on a warmup that cannot
+  finish; `/readyz` stays 503 because the replica is draining.
+
+Promotion is latched: once warm, a later drop of the backend count to zero does not make the
+replica unready (the proxy answers such requests itself; pulling every replica out of the Service
+would turn 503s into refused connections).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from stargate.config import WarmupConfig
+from stargate.metrics import ReadinessMetrics
+from stargate.warmup import PromotionReason, WarmupSchedule
+
+__all__ = ["Promotion", "Readiness", "ReadinessState"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """How warmup ended: the reason, how long it took, and what the sampler had seen."""
+
+    reason: PromotionReason
+    elapsed_seconds: float
+    samples: int
+    backend_count: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadinessState:
+    """A point-in-time view for `/readyz` bodies and `/debug` pages."""
+
+    ready: bool
+    phase: str  # "warming", "ready" or "draining"
+    promotion: Promotion | None
+    stable_samples: int
+    sampled_backend_count: int | None
+
+
+class Readiness:
+    """The replica's readiness: warmup latch plus draining flag.
+
+    Create it before the servers start (warmup time counts from `run_warmup`, which the runtime
+    starts first). With a warmup of 0 the replica is ready at construction and `run_warmup` returns
+    at once without reading anything.
+    """
+
+    def __init__(self, config: WarmupConfig, metrics: ReadinessMetrics | None = None) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._warmup_scope = trio.CancelScope()
+        self._promoted = trio.Event()
+        self._promotion: Promotion | None = None
+        self._draining = False
+        self._started_at: float | None = None
+        self._samples = 0
+        self._stable_samples = 0
+        self._last_count: int | None = None
+        if not config.enabled:
+            self._promote(PromotionReason.DISABLED, elapsed=0.0)
+
+    # ---- reads (cheap; called by every probe) -------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True when `/readyz` should answer 200."""
+        return self._promotion is not None and not self._draining
+
+    @property
+    def warm(self) -> bool:
+        """True once warmup has ended, for any reason (latched)."""
+        return self._promotion is not None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def promotion(self) -> Promotion | None:
+        return self._promotion
+
+    def state(self) -> ReadinessState:
+        if self._draining:
+            phase = "draining"
+        elif self._promotion is None:
+            phase = "warming"
+        else:
+            phase = "ready"
+        return ReadinessState(
+            ready=self.ready,
+            phase=phase,
+            promotion=self._promotion,
+            stable_samples=self._stable_samples,
+            sampled_backend_count=self._last_count,
+        )
+
+    async def wait_warm(self) -> None:
+        """Return once warmup has ended (immediately if it already has)."""
+        await self._promoted.wait()
+
+    # ---- transitions ----------------------------------------------------------------------------
+
+    async def run_warmup(self, read_backend_count: Callable[[], int]) -> None:
+        """Sample `read_backend_count` until warmup ends; return when it has.
+
+        Run this as a background task of the replica's nursery, but not as a critical one: it
+        returns normally, and its return must not be read as a failure.
+        """
+        if self._promotion is not None:
+            return
+        started_at = trio.current_time()
+        self._started_at = started_at
+        schedule = WarmupSchedule(self._config, started_at)
+        with self._warmup_scope:
+            while True:
+                await trio.sleep_until(schedule.next_wake())
+                outcome = schedule.wake(trio.current_time(), read_backend_count)
+                self._samples = schedule.samples_taken
+                self._record_sample(outcome.sampled, outcome.streak)
+                if outcome.promotion is not None:
+                    self._promote(outcome.promotion, elapsed=trio.current_time() - started_at)
+                    return
+
+    def begin_draining(self) -> None:
+        """Shutdown has begun: `/readyz` turns 503 now and for good; warmup ends if running."""
+        if self._draining:
+            return
+        self._draining = True
+        if self._promotion is None:
+            elapsed = 0.0 if self._started_at is None else trio.current_time() - self._started_at
+            self._promote(PromotionReason.SHUTDOWN, elapsed=elapsed)
+        if self._metrics is not None:
+            self._metrics.ready.set(0)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _record_sample(self, count: int | None, streak: int) -> None:
+        self._stable_samples = streak
+        if count is not None:
+            self._last_count = count
+        if self._metrics is not None:
+            self._metrics.stable_samples.set(streak)
+            if count is not None:
+                self._metrics.sampled_backend_count.set(count)
+
+    def _promote(self, reason: PromotionReason, *, elapsed: float) -> None:
+        if self._promotion is not None:
+            return
+        self._promotion = Promotion(reason, elapsed, self._samples, self._last_count)
+        self._warmup_scope.cancel()
+        self._promoted.set()
+        if self._metrics is not None:
+            self._metrics.warmup_promotions.labels(reason=reason.value).inc()
+            if reason is not PromotionReason.SHUTDOWN:
+                self._metrics.time_to_ready_seconds.set(elapsed)
+            self._metrics.ready.set(1 if self.ready else 0)
+        log.info(
+            "readiness warmup ended: reason=%s samples=%d backend_count=%s elapsed=%.3fs",
+            reason.value,
+            self._samples,
+            "n/a" if self._last_count is None else self._last_count,
+            elapsed,
+        )

@@ -1,0 +1,119 @@
+"""End to end: the real `stargate serve` process on loopback ports, real clock, real clients."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+
+from tests.conftest import StargateProcess, free_port
+
+WARMUP_MS = 1_500
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll `predicate` every 50 ms; return the time it first held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return time.monotonic()
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_serve_warms_up_serves_probes_and_metrics_and_drains_on_sigterm(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    http_port, metrics_port, grpc_port = free_port(), free_port(), free_port()
+    started_at = time.monotonic()
+    replica = start_stargate(
+        "serve",
+        "--stargate-id=e2e-replica",
+        f"--http-listen-addr=127.0.0.1:{http_port}",
+        f"--listen-addr=127.0.0.1:{grpc_port}",
+        f"--metrics-port={metrics_port}",
+        f"--readiness-warmup-ms={WARMUP_MS}",
+        "--shutdown-drain-timeout-ms=5000",
+    )
+    base = f"http://127.0.0.1:{http_port}"
+    with httpx.Client(timeout=5) as client:
+        _wait_until(
+            lambda: client.get(f"{base}/healthz").status_code == 200, 10, "the HTTP listener"
+        )
+        ready = client.get(f"{base}/readyz")
+        if time.monotonic() - started_at < WARMUP_MS / 1000:
+            assert ready.status_code == 503, "not ready before the warmup deadline"
+            assert ready.json()["phase"] == "warming"
+        became_ready = _wait_until(
+            lambda: client.get(f"{base}/readyz").status_code == 200, 10, "/readyz to turn 200"
+        )
+        assert became_ready - started_at >= WARMUP_MS / 1000
+        assert client.get(f"{base}/readyz").json()["promotion_reason"] == "deadline"
+        assert client.get(f"{base}/healthz").status_code == 200
+
+        metrics = client.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert "stargate_readiness_ready 1.0" in metrics
+        assert 'stargate_readiness_warmup_promotions_total{reason="deadline"} 1.0' in metrics
+        assert "stargate_readiness_time_to_ready_seconds 1.5" in metrics
+        assert "stargate_readiness_stable_samples 0.0" in metrics
+        assert "stargate_readiness_sampled_backend_count 0.0" in metrics
+
+    replica.process.send_signal(signal.SIGTERM)
+    assert replica.process.wait(timeout=5) == 0
+    log = replica.log
+    assert "starting stargate version=" in log
+    assert "stargate_id=e2e-replica" in log
+    assert "readiness warmup ended: reason=deadline" in log
+    assert "graceful shutdown complete" in log
+
+
+def test_serve_is_ready_at_once_with_warmup_0_and_sigint_exits_0(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    http_port = free_port()
+    replica = start_stargate(
+        "serve",
+        f"--http-listen-addr=127.0.0.1:{http_port}",
+        f"--metrics-port={free_port()}",
+        "--readiness-warmup-ms=0",
+    )
+    with httpx.Client(timeout=5) as client:
+        _wait_until(
+            lambda: client.get(f"http://127.0.0.1:{http_port}/readyz").status_code == 200,
+            10,
+            "/readyz",
+        )
+    replica.process.send_signal(signal.SIGINT)
+    assert replica.process.wait(timeout=5) == 0
+    assert "reason=disabled" in replica.log
+
+
+def test_occupied_metrics_port_exits_1_naming_the_listener(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    import socket
+
+    with socket.socket() as blocker:
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        replica = start_stargate(
+            "serve", f"--http-listen-addr=127.0.0.1:{free_port()}", f"--metrics-port={port}"
+        )
+        assert replica.process.wait(timeout=10) == 1
+    assert f"failed to bind metrics listener on 0.0.0.0:{port}" in replica.log
+
+
+def test_zero_sample_interval_is_a_usage_error(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    replica = start_stargate("serve", "--warmup-sample-interval-ms", "0")
+    assert replica.process.wait(timeout=10) == 2
+    assert "'--warmup-sample-interval-ms'" in replica.log
+    assert "value must be greater than 0" in replica.log
