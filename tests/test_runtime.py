@@ -6,6 +6,7 @@ cut them and exit 1, and a server that ends on its own shuts the replica down wi
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from quart import Response
 
 from stargate import runtime
@@ -169,3 +171,23 @@ async def test_run_refuses_an_occupied_port_before_serving() -> None:
         replica = Replica(_config(http_listen_addr=ListenAddress("127.0.0.1", port)))
         with pytest.raises(runtime.StartupError, match=f"HTTP listener on 127.0.0.1:{port}"):
             await replica.run()
+
+
+async def test_first_signal_drains_and_a_second_forces_exit() -> None:
+    replica = Replica(_config())
+    _add_slow_stream(replica, gap=1.0)
+    send_signal, signals = trio.open_memory_channel[int](2)
+    async with trio.open_nursery() as nursery:
+        bound, exit_code = await _start(replica, nursery)
+        nursery.start_soon(runtime._watch_signals, signals, replica)
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with client.stream("GET", _url(bound, "/slow-stream")) as response:
+                    async for _ in response.aiter_bytes():
+                        await send_signal.send(signal.SIGTERM)
+                        await trio.testing.wait_all_tasks_blocked()
+                        assert replica.shutting_down
+                        assert exit_code() is None  # still draining the stream
+                        await send_signal.send(signal.SIGINT)
+        await send_signal.aclose()  # ends the watcher
+    assert exit_code() == 1
