@@ -30,3 +30,10 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package."""
     session.install("-e", ".[typecheck]")
     session.run("mypy", "--strict", "stargate")
+
+
+@nox.session(python=PYTHON)
+def protos(session: nox.Session) -> None:
+    """Regenerate stargate/protocol/*_pb2*.py from the .proto files (commit the result)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "stargate.protocol.generate")
