@@ -12,6 +12,7 @@ import logging
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -19,6 +20,8 @@ import click
 from stargate import __version__
 from stargate.config import (
     ConfigError,
+    ControlPlaneConfig,
+    DiscoverySettings,
     ListenAddress,
     ServeConfig,
     WarmupConfig,
@@ -72,6 +75,24 @@ def _metrics_prefix(ctx: click.Context, param: click.Parameter, value: str) -> s
         raise click.BadParameter(str(error), ctx, param) from None
 
 
+def _comma_list(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> tuple[str, ...]:
+    """Repeatable values may also be comma-separated, on the command line and in the env var."""
+    return tuple(item.strip() for raw in value for item in raw.split(",") if item.strip())
+
+
+def _connectivity(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value == "reverse":
+        raise click.BadParameter(
+            "reverse tunnels are not offered by this replica: backends register an http:// or "
+            "https:// URL and are reached directly over HTTP",
+            ctx,
+            param,
+        )
+    return value
+
+
 def _option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(*names, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
 
@@ -102,6 +123,128 @@ def main() -> None:
     type=LISTEN_ADDRESS,
     default="0.0.0.0:50071",
     help="Control-plane gRPC listener that Pylons register with.",
+)
+@_option(
+    "--model-discovery-listen-addr",
+    envvar="STARGATE_MODEL_DISCOVERY_LISTEN_ADDR",
+    type=LISTEN_ADDRESS,
+    default="0.0.0.0:50073",
+    help="Model-discovery gRPC listener (StargateModelDiscovery/ListModels only).",
+)
+@_option(
+    "--advertise-addr",
+    envvar="STARGATE_ADVERTISE_ADDR",
+    type=LISTEN_ADDRESS,
+    default=None,
+    help="This replica's gRPC address as published to Pylons by WatchStargates. [default: the "
+    "--listen-addr IP, or this host's address when that is 0.0.0.0/::, with the bound port]",
+)
+@_option(
+    "--stargate-discovery-dns-name",
+    envvar="STARGATE_DISCOVERY_DNS_NAME",
+    default=None,
+    help="DNS name whose A/AAAA records are this replica's peers (in Kubernetes, the headless "
+    "Service), polled every --dns-poll-ms.",
+)
+@_option(
+    "--peer",
+    "peers",
+    envvar="STARGATE_PEERS",
+    multiple=True,
+    callback=_comma_list,
+    help="A peer replica's gRPC address (HOST:PORT or ID=HOST:PORT) for static discovery; "
+    "repeatable or comma-separated.",
+)
+@_option(
+    "--disable-dns-discovery",
+    envvar="STARGATE_DISABLE_DNS_DISCOVERY",
+    is_flag=True,
+    default=False,
+    help="Publish only this replica in WatchStargates.",
+)
+@_option(
+    "--dns-poll-ms",
+    envvar="STARGATE_DNS_POLL_MS",
+    type=POSITIVE_INT,
+    default=1_000,
+    help="Discovery poll period of the WatchStargates publisher. Must be > 0.",
+)
+@_option(
+    "--watch-heartbeat-ms",
+    envvar="STARGATE_WATCH_HEARTBEAT_MS",
+    type=NON_NEGATIVE_INT,
+    default=5_000,
+    help="Longest interval between re-publications of an unchanged WatchStargates snapshot "
+    "(0 = every poll).",
+)
+@_option(
+    "--remote-stargate-url",
+    "remote_stargate_urls",
+    envvar="STARGATE_REMOTE_WATCH_URLS",
+    multiple=True,
+    callback=_comma_list,
+    help="Extra WatchStargates seeds (other regions) passed on to Pylons; repeatable or "
+    "comma-separated. Never registration targets.",
+)
+@_option(
+    "--grpc-pylon-dial-addr",
+    envvar="STARGATE_GRPC_PYLON_DIAL_ADDR",
+    default=None,
+    help="Address Pylons dial instead of each replica's advertise address (e.g. a load "
+    "balancer), published on every WatchStargates entry.",
+)
+@_option(
+    "--registration-update-idle-timeout-ms",
+    envvar="STARGATE_REGISTRATION_UPDATE_IDLE_TIMEOUT_MS",
+    type=NON_NEGATIVE_INT,
+    default=60_000,
+    help="Floor of a registration stream's idle timeout (3 x the Pylon heartbeat). 0 disables "
+    "idle enforcement.",
+)
+@_option(
+    "--registration-update-max-idle-timeout-ms",
+    envvar="STARGATE_REGISTRATION_UPDATE_MAX_IDLE_TIMEOUT_MS",
+    type=NON_NEGATIVE_INT,
+    default=300_000,
+    help="Cap of the idle timeout, and its value when the Pylon sends no heartbeat header. "
+    "0 disables idle enforcement.",
+)
+@_option(
+    "--grpc-max-message-bytes",
+    envvar="STARGATE_GRPC_MAX_MESSAGE_BYTES",
+    type=POSITIVE_INT,
+    default=4 * 1024 * 1024,
+    help="Largest gRPC message accepted; larger ones end the call with RESOURCE_EXHAUSTED.",
+)
+@_option(
+    "--worker-auth-endpoint",
+    envvar="STARGATE_WORKER_AUTH_ENDPOINT",
+    default=None,
+    help="HOST:PORT of an llm_gateway.LlmGateway service whose AuthLlmWorker maps a Pylon's "
+    "bearer token to its routing key. Without it (and without a token file) registration is open.",
+)
+@_option(
+    "--registration-token-file",
+    envvar="STARGATE_REGISTRATION_TOKEN_FILE",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="File holding a shared bearer token every Pylon must present (no routing key).",
+)
+@_option(
+    "--health-check-timeout-ms",
+    envvar="STARGATE_HEALTH_CHECK_TIMEOUT_MS",
+    type=POSITIVE_INT,
+    default=5_000,
+    help="Timeout of one backend health probe (GET {url}/health); a backend that fails it is "
+    "not routable until a later probe succeeds.",
+)
+@_option(
+    "--backend-connectivity",
+    envvar="STARGATE_BACKEND_CONNECTIVITY",
+    type=click.Choice(["direct", "reverse"]),
+    default="direct",
+    callback=_connectivity,
+    help="How backends are reached. Only direct (HTTP) is offered; reverse is refused.",
 )
 @_option(
     "--metrics-port",
@@ -158,6 +301,22 @@ def serve(
     stargate_id: str | None,
     http_listen_addr: ListenAddress,
     listen_addr: ListenAddress,
+    model_discovery_listen_addr: ListenAddress,
+    advertise_addr: ListenAddress | None,
+    stargate_discovery_dns_name: str | None,
+    peers: tuple[str, ...],
+    disable_dns_discovery: bool,
+    dns_poll_ms: int,
+    watch_heartbeat_ms: int,
+    remote_stargate_urls: tuple[str, ...],
+    grpc_pylon_dial_addr: str | None,
+    registration_update_idle_timeout_ms: int,
+    registration_update_max_idle_timeout_ms: int,
+    grpc_max_message_bytes: int,
+    worker_auth_endpoint: str | None,
+    registration_token_file: Path | None,
+    health_check_timeout_ms: int,
+    backend_connectivity: str,
     metrics_port: int,
     metrics_prefix: str,
     shutdown_drain_timeout_ms: int,
@@ -168,19 +327,41 @@ def serve(
 ) -> None:
     """Run one replica until SIGTERM or SIGINT."""
     _configure_logging(log_level)
-    config = ServeConfig(
-        stargate_id=stargate_id or socket.gethostname(),
-        http_listen_addr=http_listen_addr,
-        listen_addr=listen_addr,
-        metrics_port=metrics_port,
-        metrics_prefix=metrics_prefix,
-        shutdown_drain_timeout_ms=shutdown_drain_timeout_ms,
-        warmup=WarmupConfig(
-            warmup_ms=readiness_warmup_ms,
-            sample_interval_ms=warmup_sample_interval_ms,
-            stabilization_window=warmup_stabilization_window,
-        ),
-    )
+    try:
+        config = ServeConfig(
+            stargate_id=stargate_id or socket.gethostname(),
+            http_listen_addr=http_listen_addr,
+            listen_addr=listen_addr,
+            model_discovery_listen_addr=model_discovery_listen_addr,
+            advertise_addr=advertise_addr,
+            metrics_port=metrics_port,
+            metrics_prefix=metrics_prefix,
+            shutdown_drain_timeout_ms=shutdown_drain_timeout_ms,
+            warmup=WarmupConfig(
+                warmup_ms=readiness_warmup_ms,
+                sample_interval_ms=warmup_sample_interval_ms,
+                stabilization_window=warmup_stabilization_window,
+            ),
+            discovery=DiscoverySettings(
+                dns_name=(stargate_discovery_dns_name or "").strip() or None,
+                peers=peers,
+                disable_dns_discovery=disable_dns_discovery,
+                dns_poll_ms=dns_poll_ms,
+                watch_heartbeat_ms=watch_heartbeat_ms,
+                remote_stargate_urls=remote_stargate_urls,
+                grpc_pylon_dial_addr=(grpc_pylon_dial_addr or "").strip() or None,
+            ),
+            control_plane=ControlPlaneConfig(
+                idle_timeout_ms=registration_update_idle_timeout_ms,
+                max_idle_timeout_ms=registration_update_max_idle_timeout_ms,
+                grpc_max_message_bytes=grpc_max_message_bytes,
+                worker_auth_endpoint=(worker_auth_endpoint or "").strip() or None,
+                registration_token_file=registration_token_file,
+                health_check_timeout_ms=health_check_timeout_ms,
+            ),
+        )
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
     from stargate import runtime  # imported here so `--help` stays fast
 
     sys.exit(runtime.run(config))
@@ -192,3 +373,5 @@ def _configure_logging(level: str) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per backend health probe would drown everything else.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

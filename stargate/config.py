@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = [
     "ConfigError",
+    "ControlPlaneConfig",
+    "DiscoverySettings",
     "ListenAddress",
     "ServeConfig",
     "WarmupConfig",
@@ -110,16 +113,71 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoverySettings:
+    """How `WatchStargates` finds this replica's peers (control-plane spec §2.10).
+
+    Modes: a DNS name polled every `dns_poll_ms` (in Kubernetes, the headless Service), a static
+    `peers` list, or this replica alone (`disable_dns_discovery`, or neither of the others set).
+    """
+
+    dns_name: str | None = None
+    peers: tuple[str, ...] = ()
+    disable_dns_discovery: bool = False
+    dns_poll_ms: int = 1_000
+    watch_heartbeat_ms: int = 5_000
+    remote_stargate_urls: tuple[str, ...] = ()
+    grpc_pylon_dial_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dns_poll_ms <= 0:
+            raise ConfigError("dns poll interval must be greater than 0")
+        if self.watch_heartbeat_ms < 0:
+            raise ConfigError("watch heartbeat must not be negative")
+        if self.disable_dns_discovery and self.peers:
+            raise ConfigError("--peer cannot be combined with --disable-dns-discovery")
+        if self.dns_name and self.peers:
+            raise ConfigError("--peer cannot be combined with --stargate-discovery-dns-name")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneConfig:
+    """Registration streams: idle timeouts, message size, authentication, backend health."""
+
+    idle_timeout_ms: int = 60_000
+    max_idle_timeout_ms: int = 300_000
+    grpc_max_message_bytes: int = 4 * 1024 * 1024
+    worker_auth_endpoint: str | None = None
+    registration_token_file: Path | None = None
+    health_check_timeout_ms: int = 5_000
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_ms < 0 or self.max_idle_timeout_ms < 0:
+            raise ConfigError("registration idle timeouts must not be negative")
+        if self.grpc_max_message_bytes <= 0:
+            raise ConfigError("gRPC max message size must be greater than 0")
+        if self.health_check_timeout_ms <= 0:
+            raise ConfigError("health check timeout must be greater than 0")
+        if self.worker_auth_endpoint and self.registration_token_file:
+            raise ConfigError(
+                "--worker-auth-endpoint cannot be combined with --registration-token-file"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `stargate serve` needs to run one replica."""
 
     stargate_id: str
     http_listen_addr: ListenAddress = ListenAddress("0.0.0.0", 8000)
     listen_addr: ListenAddress = ListenAddress("0.0.0.0", 50071)
+    model_discovery_listen_addr: ListenAddress = ListenAddress("0.0.0.0", 50073)
+    advertise_addr: ListenAddress | None = None
     metrics_port: int = 9090
     metrics_prefix: str = "stargate_"
     shutdown_drain_timeout_ms: int = 30_000
     warmup: WarmupConfig = WarmupConfig()
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
 
     def __post_init__(self) -> None:
         if not self.stargate_id:

@@ -75,6 +75,16 @@ class Metrics:
         self.registry = registry
         self.prefix = prefix
         self.readiness = ReadinessMetrics.create(registry, prefix)
+        self.active_inference_servers = Gauge(
+            f"{prefix}active_inference_servers",
+            "Active backends per (routing key, model) target; 0 once a target empties.",
+            labelnames=("model", "routing_key"),
+            registry=registry,
+        )
+
+    def set_active_inference_servers(self, routing_key: str | None, model: str, count: int) -> None:
+        """Publish one target's active backend count (the series stays at 0 when it empties)."""
+        self.active_inference_servers.labels(model=model, routing_key=routing_key or "").set(count)
 
 
 ASGIScope = MutableMapping[str, Any]

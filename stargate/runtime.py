@@ -11,6 +11,8 @@ that ends on its own also begins a shutdown, and the exit code is then 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import ipaddress
 import logging
 import signal
 import socket
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
@@ -25,16 +28,30 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
-from stargate import __version__
-from stargate.config import ListenAddress, ServeConfig
+from stargate import __version__, hypercorn_fixes
+from stargate.asgi import InFlight
+from stargate.config import ConfigError, ControlPlaneConfig, ListenAddress, ServeConfig
+from stargate.control_plane.auth import (
+    Authenticator,
+    OpenAuthenticator,
+    StaticTokenAuthenticator,
+    WorkerAuthenticator,
+    read_token_file,
+)
+from stargate.control_plane.discovery import DiscoveryConfig, WatchPublisher
+from stargate.control_plane.health import http_health_probe
+from stargate.control_plane.registration import RegistrationService, RegistrationSettings
+from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.http_app import create_http_app
 from stargate.metrics import Metrics, metrics_asgi_app
 from stargate.readiness import Readiness
-from stargate.routing import RoutingState
+from stargate.routing import RoutingState, RoutingTargetKey
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
 
 log = logging.getLogger(__name__)
+
+hypercorn_fixes.apply()
 
 LISTEN_BACKLOG = 1024
 
@@ -48,6 +65,8 @@ class BoundAddresses:
     """The addresses the listeners actually bound (a configured port 0 becomes a real one)."""
 
     http: ListenAddress
+    grpc: ListenAddress
+    model_discovery: ListenAddress
     metrics: ListenAddress
 
 
@@ -78,6 +97,9 @@ def _hypercorn_config(graceful_timeout: float) -> HypercornConfig:
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
+    # Hypercorn closes an HTTP/2 connection after 1000 requests by default, failing the 1001st
+    # gRPC call of a Pylon's channel with UNAVAILABLE; connections here are long-lived by design.
+    config.keep_alive_max_requests = 2**31
     return config
 
 
@@ -120,26 +142,57 @@ class Replica:
         self.config = config
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = Metrics(self.registry, config.metrics_prefix)
-        self.routing = RoutingState()
+        self.routing = RoutingState(on_target_count=self._publish_target_count)
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
-        self.http_app = create_http_app(self.readiness, stargate_id=config.stargate_id)
+        self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
+        control = config.control_plane
+        self.registrations = RegistrationService(
+            self.routing,
+            _authenticator(control),
+            functools.partial(
+                http_health_probe,
+                self._health_client,
+                probe_timeout=control.health_check_timeout_ms / 1000,
+            ),
+            RegistrationSettings(control.idle_timeout_ms, control.max_idle_timeout_ms),
+        )
+        self.publisher: WatchPublisher | None = None
+        self.bound: BoundAddresses | None = None
+        self.http_app = create_http_app(
+            self.readiness,
+            self.routing,
+            stargate_id=config.stargate_id,
+            debug_config=self._debug_config,
+        )
         self._shutdown_started = trio.Event()
         self._services_scope: trio.CancelScope | None = None
+        self._services: trio.Nursery | None = None
         self._drain_deadline: float | None = None
         self._forced = False
         self._failed = False
+        self._drained = False
+        self._in_flight = InFlight()
 
     @property
     def shutting_down(self) -> bool:
         return self._shutdown_started.is_set()
 
     def begin_shutdown(self) -> None:
-        """Start a graceful shutdown (idempotent): unready now, stop accepting, drain."""
+        """Start a graceful shutdown (idempotent): unready now, stop accepting, drain.
+
+        Registration streams end with OK (their routes removed) and WatchStargates streams end,
+        so Pylons move to other replicas while in-flight requests finish.
+        """
         if self._shutdown_started.is_set():
             return
         log.info("entering draining mode")
         self.readiness.begin_draining()
+        if self.publisher is not None:
+            self.publisher.stop()
+        self.registrations.shutdown()
         self._shutdown_started.set()
+        if self._services is not None:
+            self._services.start_soon(self._finish_drain)
         self._drain_deadline = trio.current_time() + self.config.shutdown_drain_timeout_seconds
         if self._services_scope is not None:
             self._services_scope.deadline = self._drain_deadline
@@ -160,50 +213,87 @@ class Replica:
         """
         config = self.config
         log.info("starting stargate version=%s %s", __version__, describe(config))
-        http_sock = bind_listener("HTTP", config.http_listen_addr)
+        sockets = _bind_all(
+            [
+                ("HTTP", config.http_listen_addr),
+                ("gRPC", config.listen_addr),
+                ("model-discovery gRPC", config.model_discovery_listen_addr),
+                ("metrics", config.metrics_listen_addr),
+            ]
+        )
+        http_sock, grpc_sock, discovery_sock, metrics_sock = sockets
+        self.bound = bound = BoundAddresses(*(_bound_address(sock) for sock in sockets))
         try:
-            metrics_sock = bind_listener("metrics", config.metrics_listen_addr)
-        except StartupError:
-            http_sock.close()
-            raise
-        bound = BoundAddresses(http=_bound_address(http_sock), metrics=_bound_address(metrics_sock))
+            self.publisher = WatchPublisher(_discovery_config(config, bound))
+        except ConfigError as error:
+            for sock in sockets:
+                sock.close()
+            raise StartupError(f"invalid discovery configuration: {error}") from error
+        if isinstance(self.registrations.authenticator, OpenAuthenticator):
+            log.warning(
+                "registration is unauthenticated: any client can register backends "
+                "(set --registration-token-file or --worker-auth-endpoint)"
+            )
+        max_bytes = config.control_plane.grpc_max_message_bytes
+        servers: list[tuple[str, ASGIApp, socket.socket]] = [
+            ("HTTP server", self.http_app, http_sock),
+            (
+                "control-plane gRPC server",
+                control_plane_app(self.registrations, self.publisher, max_message_bytes=max_bytes),
+                grpc_sock,
+            ),
+            (
+                "model-discovery gRPC server",
+                model_discovery_app(self.routing, max_message_bytes=max_bytes),
+                discovery_sock,
+            ),
+            ("metrics server", metrics_asgi_app(self.registry), metrics_sock),
+        ]
         graceful = config.shutdown_drain_timeout_seconds + 1.0
 
-        async with trio.open_nursery() as services:
-            self._services_scope = services.cancel_scope
-            if self._drain_deadline is not None:
-                services.cancel_scope.deadline = self._drain_deadline
-            if config.warmup.enabled:
-                services.start_soon(
-                    self.readiness.run_warmup, self.routing.total_active_backend_count
+        try:
+            async with trio.open_nursery() as services:
+                self._services_scope = services.cancel_scope
+                self._services = services
+                if self._shutdown_started.is_set():
+                    services.start_soon(self._finish_drain)
+                if self._drain_deadline is not None:
+                    services.cancel_scope.deadline = self._drain_deadline
+                if config.warmup.enabled:
+                    services.start_soon(
+                        self.readiness.run_warmup, self.routing.total_active_backend_count
+                    )
+                await services.start(self._critical, "WatchStargates publisher", self.publisher.run)
+                for name, app, sock in servers:
+                    serve = functools.partial(
+                        serve_asgi,
+                        self._in_flight.track(app),
+                        sock,
+                        _hypercorn_config(graceful),
+                        self._shutdown_started.wait,
+                    )
+                    await services.start(self._critical, name, serve)
+                log.info(
+                    "listening: http=%s grpc=%s model_discovery=%s metrics=%s advertise=%s",
+                    bound.http,
+                    bound.grpc,
+                    bound.model_discovery,
+                    bound.metrics,
+                    self.publisher.config.advertise_addr,
                 )
-            await services.start(
-                self._critical,
-                "HTTP server",
-                serve_asgi,
-                self.http_app,
-                http_sock,
-                _hypercorn_config(graceful),
-            )
-            await services.start(
-                self._critical,
-                "metrics server",
-                serve_asgi,
-                metrics_asgi_app(self.registry),
-                metrics_sock,
-                _hypercorn_config(graceful),
-            )
-            log.info("HTTP listener on %s, metrics listener on %s", bound.http, bound.metrics)
-            task_status.started(bound)
+                task_status.started(bound)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._health_client.aclose()
 
         if self._forced:
             log.error("forcing immediate exit")
             return 1
-        if services.cancel_scope.cancelled_caught:
-            log.error("graceful shutdown timed out; forcing exit")
-            return 1
         if self._failed:
             log.error("shut down after a critical task failed")
+            return 1
+        if services.cancel_scope.cancelled_caught and not self._drained:
+            log.error("graceful shutdown timed out; forcing exit")
             return 1
         log.info("graceful shutdown complete")
         return 0
@@ -211,18 +301,97 @@ class Replica:
     async def _critical(
         self,
         name: str,
-        serve: Callable[..., Awaitable[None]],
-        *args: Any,
+        run: Callable[..., Awaitable[None]],
+        *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Run a task whose ending, other than in a shutdown, shuts the replica down."""
         try:
-            await serve(*args, self._shutdown_started.wait, task_status=task_status)
+            await run(task_status=task_status)
         finally:
             if not self._shutdown_started.is_set():
                 log.error("%s exited unexpectedly; beginning shutdown", name)
                 self._failed = True
                 self.begin_shutdown()
+
+    async def _finish_drain(self) -> None:
+        """End the servers once nothing is in flight; their remaining connections are idle."""
+        await self._in_flight.wait_idle()
+        log.info("in-flight requests and streams finished")
+        self._drained = True
+        if self._services_scope is not None:
+            self._services_scope.cancel()
+
+    def _publish_target_count(self, target: RoutingTargetKey, count: int) -> None:
+        self.metrics.set_active_inference_servers(target.routing_key, target.model_id, count)
+
+    def _debug_config(self) -> dict[str, Any]:
+        """`/debug/state`'s `config`: the Rust field set, with this replica's HTTP transport."""
+        bound = self.bound
+        publisher = self.publisher
+        return {
+            "stargate_id": self.config.stargate_id,
+            "grpc_listen_addr": None if bound is None else str(bound.grpc),
+            "model_discovery_listen_addr": None if bound is None else str(bound.model_discovery),
+            "http_listen_addr": None if bound is None else str(bound.http),
+            "metrics_listen_addr": None if bound is None else str(bound.metrics),
+            "advertise_addr": None if publisher is None else publisher.config.advertise_addr,
+            "stargate_discovery_dns_name": self.config.discovery.dns_name,
+            "tunnel_protocol": "http",
+            "backend_connectivity": "direct",
+            "direct_quic_connections": 0,
+        }
+
+
+def _bind_all(listeners: list[tuple[str, ListenAddress]]) -> list[socket.socket]:
+    """Bind every listener or none: on a failure the ones already bound are closed."""
+    bound: list[socket.socket] = []
+    try:
+        for name, address in listeners:
+            bound.append(bind_listener(name, address))
+    except StartupError:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+def _authenticator(config: ControlPlaneConfig) -> Authenticator:
+    if config.registration_token_file is not None:
+        return StaticTokenAuthenticator(read_token_file(config.registration_token_file))
+    if config.worker_auth_endpoint is not None:
+        return WorkerAuthenticator(config.worker_auth_endpoint)
+    return OpenAuthenticator()
+
+
+def _host_address() -> str:
+    """This host's primary address, for advertising when the listener binds every interface."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _discovery_config(config: ServeConfig, bound: BoundAddresses) -> DiscoveryConfig:
+    advertise = config.advertise_addr
+    if advertise is None:
+        host = config.listen_addr.host
+        if ipaddress.ip_address(host).is_unspecified:
+            host = _host_address()
+        advertise = ListenAddress(host, bound.grpc.port)
+    settings = config.discovery
+    return DiscoveryConfig(
+        stargate_id=config.stargate_id,
+        advertise_addr=str(advertise),
+        http_advertise_addr=str(ListenAddress(advertise.host, bound.http.port)),
+        dns_name=settings.dns_name,
+        peers=settings.peers,
+        disable_dns_discovery=settings.disable_dns_discovery,
+        dns_poll_ms=settings.dns_poll_ms,
+        watch_heartbeat_ms=settings.watch_heartbeat_ms,
+        remote_stargate_urls=settings.remote_stargate_urls,
+        grpc_pylon_dial_addr=settings.grpc_pylon_dial_addr,
+    )
 
 
 def describe(config: object) -> str:

@@ -6,11 +6,28 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll `predicate` every 20 ms (transport errors count as "not yet"); return when it held."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return time.monotonic()
+        except (httpx.TransportError, grpc.RpcError) as error:
+            last_error = error
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what} (last error: {last_error!r})")
 
 
 def free_port() -> int:
@@ -32,26 +49,56 @@ class StargateProcess:
         return self.log_path.read_text(errors="replace")
 
 
+def launch(log_path: Path, *args: str) -> StargateProcess:
+    """Start `python -m stargate ARGS...` with its output in `log_path`."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stargate", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return StargateProcess(process, log_path)
+
+
+def stop(handle: StargateProcess) -> None:
+    if handle.process.poll() is None:
+        handle.process.kill()
+        handle.process.wait()
+
+
 @pytest.fixture
 def start_stargate(tmp_path: Path) -> Iterator[object]:
     """Start `python -m stargate ARGS...`; every process started is killed at teardown."""
     started: list[StargateProcess] = []
 
     def start(*args: str) -> StargateProcess:
-        log_path = tmp_path / f"stargate-{len(started)}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "stargate", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        handle = StargateProcess(process, log_path)
+        handle = launch(tmp_path / f"stargate-{len(started)}.log", *args)
         started.append(handle)
         return handle
 
     yield start
     for handle in started:
-        if handle.process.poll() is None:
-            handle.process.kill()
-            handle.process.wait()
+        stop(handle)
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Free loopback ports for every listener of one replica."""
+
+    http: int
+    grpc: int
+    discovery: int
+    metrics: int
+
+    @classmethod
+    def pick(cls) -> Ports:
+        return cls(free_port(), free_port(), free_port(), free_port())
+
+    def args(self) -> list[str]:
+        return [
+            f"--http-listen-addr=127.0.0.1:{self.http}",
+            f"--listen-addr=127.0.0.1:{self.grpc}",
+            f"--model-discovery-listen-addr=127.0.0.1:{self.discovery}",
+            f"--metrics-port={self.metrics}",
+        ]

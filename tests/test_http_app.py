@@ -9,11 +9,12 @@ from trio.testing import MockClock
 from stargate.config import WarmupConfig
 from stargate.http_app import create_http_app
 from stargate.readiness import Readiness
+from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 
 
 async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
     readiness = Readiness(WarmupConfig(warmup_ms=60_000))
-    app = create_http_app(readiness, stargate_id="r1")
+    app = create_http_app(readiness, RoutingState(), stargate_id="r1")
     client = app.test_client()
     assert (await client.get("/healthz")).status_code == 200
     readiness.begin_draining()
@@ -21,7 +22,9 @@ async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
 
 
 async def test_readyz_is_503_while_warming_and_explains_why() -> None:
-    app = create_http_app(Readiness(WarmupConfig(warmup_ms=60_000)), stargate_id="r1")
+    app = create_http_app(
+        Readiness(WarmupConfig(warmup_ms=60_000)), RoutingState(), stargate_id="r1"
+    )
     response = await app.test_client().get("/readyz")
     assert response.status_code == 503
     body = await response.get_json()
@@ -32,7 +35,7 @@ async def test_readyz_is_503_while_warming_and_explains_why() -> None:
 
 async def test_readyz_is_200_when_warm_and_503_once_draining() -> None:
     readiness = Readiness(WarmupConfig(warmup_ms=0))
-    client = create_http_app(readiness, stargate_id="r1").test_client()
+    client = create_http_app(readiness, RoutingState(), stargate_id="r1").test_client()
     response = await client.get("/readyz")
     assert response.status_code == 200
     assert (await response.get_json())["promotion_reason"] == "disabled"
@@ -46,7 +49,7 @@ async def test_long_streams_are_not_cut_by_quarts_response_timeout(
     autojump_clock: MockClock,
 ) -> None:
     """Quart's default RESPONSE_TIMEOUT (60 s) would cut this 150 s stream (stack-notes P2)."""
-    app = create_http_app(Readiness(WarmupConfig(warmup_ms=0)), stargate_id="r1")
+    app = create_http_app(Readiness(WarmupConfig(warmup_ms=0)), RoutingState(), stargate_id="r1")
 
     @app.get("/slow-stream")
     async def slow_stream() -> Response:
@@ -62,3 +65,48 @@ async def test_long_streams_are_not_cut_by_quarts_response_timeout(
     body = await response.get_data()
     assert body == b"".join(f"chunk {i}\n".encode() for i in range(5))
     assert trio.current_time() - start == 150.0
+
+
+def _routing_with(models: dict[str | None, list[str]]) -> RoutingState:
+    routing = RoutingState()
+    for index, (routing_key, model_ids) in enumerate(models.items()):
+        identity = RegistrationIdentity(
+            f"pylon-{index}", f"pylon-{index}", "http://h:1", routing_key
+        )
+        registration = routing.begin(identity)
+        routing.apply(registration, {m: BackendRoute(ModelStats(), 1, 0.0) for m in model_ids})
+    return routing
+
+
+async def test_v1_models_lists_unkeyed_active_models_sorted() -> None:
+    routing = _routing_with({None: ["b", "a"], "tenant": ["secret"]})
+    client = create_http_app(Readiness(WarmupConfig(0)), routing, stargate_id="r").test_client()
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    assert await response.get_json() == {"model_ids": ["a", "b"]}
+    response = await client.get("/v1/models?model_ids=b&model_ids=%20b%20&model_ids=zz")
+    assert await response.get_json() == {"model_ids": ["b"]}
+
+
+async def test_v1_models_blank_filter_is_400_with_empty_body() -> None:
+    client = create_http_app(
+        Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"
+    ).test_client()
+    response = await client.get("/v1/models?model_ids=a&model_ids=%20")
+    assert response.status_code == 400
+    assert await response.get_data() == b""
+
+
+async def test_debug_state_shows_config_and_models_across_routing_keys() -> None:
+    routing = _routing_with({None: ["b"], "tenant": ["a"]})
+    app = create_http_app(
+        Readiness(WarmupConfig(0)),
+        routing,
+        stargate_id="r",
+        debug_config=lambda: {"stargate_id": "r", "grpc_listen_addr": "127.0.0.1:1"},
+    )
+    body = await (await app.test_client().get("/debug/state")).get_json()
+    assert body == {
+        "config": {"stargate_id": "r", "grpc_listen_addr": "127.0.0.1:1"},
+        "active_model_ids": ["a", "b"],
+    }

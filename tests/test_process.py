@@ -8,48 +8,34 @@ from collections.abc import Callable
 
 import httpx
 
-from tests.conftest import StargateProcess, free_port
+from tests.conftest import Ports, StargateProcess, wait_until
 
 WARMUP_MS = 1_500
-
-
-def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll `predicate` every 50 ms; return the time it first held."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return time.monotonic()
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_serve_warms_up_serves_probes_and_metrics_and_drains_on_sigterm(
     start_stargate: Callable[..., StargateProcess],
 ) -> None:
-    http_port, metrics_port, grpc_port = free_port(), free_port(), free_port()
+    ports = Ports.pick()
+    http_port, metrics_port = ports.http, ports.metrics
     started_at = time.monotonic()
     replica = start_stargate(
         "serve",
         "--stargate-id=e2e-replica",
-        f"--http-listen-addr=127.0.0.1:{http_port}",
-        f"--listen-addr=127.0.0.1:{grpc_port}",
-        f"--metrics-port={metrics_port}",
+        *ports.args(),
         f"--readiness-warmup-ms={WARMUP_MS}",
         "--shutdown-drain-timeout-ms=5000",
     )
     base = f"http://127.0.0.1:{http_port}"
     with httpx.Client(timeout=5) as client:
-        _wait_until(
+        wait_until(
             lambda: client.get(f"{base}/healthz").status_code == 200, 10, "the HTTP listener"
         )
         ready = client.get(f"{base}/readyz")
         if time.monotonic() - started_at < WARMUP_MS / 1000:
             assert ready.status_code == 503, "not ready before the warmup deadline"
             assert ready.json()["phase"] == "warming"
-        became_ready = _wait_until(
+        became_ready = wait_until(
             lambda: client.get(f"{base}/readyz").status_code == 200, 10, "/readyz to turn 200"
         )
         assert became_ready - started_at >= WARMUP_MS / 1000
@@ -75,15 +61,11 @@ def test_serve_warms_up_serves_probes_and_metrics_and_drains_on_sigterm(
 def test_serve_is_ready_at_once_with_warmup_0_and_sigint_exits_0(
     start_stargate: Callable[..., StargateProcess],
 ) -> None:
-    http_port = free_port()
-    replica = start_stargate(
-        "serve",
-        f"--http-listen-addr=127.0.0.1:{http_port}",
-        f"--metrics-port={free_port()}",
-        "--readiness-warmup-ms=0",
-    )
+    ports = Ports.pick()
+    http_port = ports.http
+    replica = start_stargate("serve", *ports.args(), "--readiness-warmup-ms=0")
     with httpx.Client(timeout=5) as client:
-        _wait_until(
+        wait_until(
             lambda: client.get(f"http://127.0.0.1:{http_port}/readyz").status_code == 200,
             10,
             "/readyz",
@@ -103,9 +85,8 @@ def test_occupied_metrics_port_exits_1_naming_the_listener(
         blocker.bind(("0.0.0.0", 0))
         blocker.listen()
         port = blocker.getsockname()[1]
-        replica = start_stargate(
-            "serve", f"--http-listen-addr=127.0.0.1:{free_port()}", f"--metrics-port={port}"
-        )
+        ports = Ports.pick()
+        replica = start_stargate("serve", *ports.args(), f"--metrics-port={port}")
         assert replica.process.wait(timeout=10) == 1
     assert f"failed to bind metrics listener on 0.0.0.0:{port}" in replica.log
 
@@ -117,3 +98,22 @@ def test_zero_sample_interval_is_a_usage_error(
     assert replica.process.wait(timeout=10) == 2
     assert "'--warmup-sample-interval-ms'" in replica.log
     assert "value must be greater than 0" in replica.log
+
+
+def test_idle_keep_alive_connections_do_not_hold_the_drain(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    """A kubelet or load balancer keeps connections open; SIGTERM must still exit promptly."""
+    ports = Ports.pick()
+    replica = start_stargate("serve", *ports.args(), "--readiness-warmup-ms=0")
+    with httpx.Client(timeout=5) as client:  # stays open (keep-alive) across the SIGTERM
+        wait_until(
+            lambda: client.get(f"http://127.0.0.1:{ports.http}/readyz").status_code == 200,
+            10,
+            "/readyz",
+        )
+        client.get(f"http://127.0.0.1:{ports.metrics}/metrics")
+        started = time.monotonic()
+        replica.process.send_signal(signal.SIGTERM)
+        assert replica.process.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5  # far below the 30 s drain timeout

@@ -1,80 +1,263 @@
-"""The routing state's counting API: what the readiness sampler reads (spec §3.8)."""
+"""The routing state (control-plane spec §3): registrations, targets, clusters and counts."""
 
 from __future__ import annotations
 
-from stargate.routing import BackendEntry, RoutingState, RoutingTargetKey
+import math
 
-MODEL_A = RoutingTargetKey(None, "model-a")
-MODEL_B = RoutingTargetKey(None, "model-b")
-KEYED_A = RoutingTargetKey("tenant-1", "model-a")
+import pytest
+
+from stargate.routing import (
+    AlreadyRegistered,
+    BackendRoute,
+    ModelStats,
+    Registration,
+    RegistrationIdentity,
+    RoutingState,
+    RoutingTargetKey,
+)
+from stargate.routing.stats import aggregate_stats, mean_rtt_seconds
 
 
-def _backend(server_id: str, cluster_id: str = "") -> BackendEntry:
-    return BackendEntry(server_id, cluster_id or server_id, f"http://10.0.0.1:80/{server_id}")
+def _identity(
+    server_id: str, cluster_id: str = "", routing_key: str | None = None
+) -> RegistrationIdentity:
+    return RegistrationIdentity(
+        server_id, cluster_id or server_id, f"http://10.0.0.1:8000/{server_id}", routing_key
+    )
+
+
+def _route(rtt_ms: float = 1.0, received_at: float = 0.0, **stats: object) -> BackendRoute:
+    return BackendRoute(ModelStats(**stats), int(rtt_ms * 1e6), received_at)  # type: ignore[arg-type]
+
+
+def _target(model: str, routing_key: str | None = None) -> RoutingTargetKey:
+    return RoutingTargetKey(routing_key, model)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[RoutingTargetKey, int]] = []
+
+    def __call__(self, target: RoutingTargetKey, count: int) -> None:
+        self.events.append((target, count))
 
 
 def test_empty_state_counts_zero() -> None:
     state = RoutingState()
     assert state.total_active_backend_count() == 0
-    assert state.active_backend_count(MODEL_A) == 0
-    assert state.targets() == []
+    assert state.snapshot(_target("m")) is None
+    assert not state.is_advertised(_target("m"))
+
+
+def test_active_route_counts_and_snapshots() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1"))
+    assert state.apply(reg, {"m": _route(rtt_ms=2, queue_size=3)})
+    snapshot = state.snapshot(_target("m"))
+    assert snapshot is not None
+    (cluster,) = snapshot.clusters
+    assert cluster.cluster_id == "pylon-1"
+    assert cluster.stats.queue_size == 3
+    assert cluster.rtt_seconds == pytest.approx(0.002)
+    assert [b.inference_server_id for b in cluster.backends] == ["pylon-1"]
+    assert cluster.backends[0].url == "http://10.0.0.1:8000/pylon-1"
+    assert state.total_active_backend_count() == 1
 
 
 def test_one_backend_serving_three_models_counts_three() -> None:
     state = RoutingState()
-    for target in (MODEL_A, MODEL_B, KEYED_A):
-        assert state.upsert_backend(target, _backend("pylon-1"))
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"a": _route(), "b": _route(), "c": _route()})
     assert state.total_active_backend_count() == 3
-    assert state.active_backend_count(MODEL_A) == 1
+    assert state.list_models(None) == ["a", "b", "c"]
 
 
-def test_heartbeat_replacement_does_not_change_the_count() -> None:
+def test_heartbeat_does_not_double_count_and_replaces_the_snapshot() -> None:
     state = RoutingState()
-    state.upsert_backend(MODEL_A, _backend("pylon-1"))
-    refreshed = BackendEntry("pylon-1", "pylon-1", "http://10.0.0.1:80/new")
-    assert not state.upsert_backend(MODEL_A, refreshed)
+    recorder = Recorder()
+    state = RoutingState(on_target_count=recorder)
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"m": _route(queue_size=1)})
+    state.apply(reg, {"m": _route(queue_size=9)})
     assert state.total_active_backend_count() == 1
-    assert state.backends(MODEL_A) == [refreshed]
+    snapshot = state.snapshot(_target("m"))
+    assert snapshot is not None and snapshot.clusters[0].stats.queue_size == 9
+    assert recorder.events == [(_target("m"), 1), (_target("m"), 1)]
 
 
-def test_routing_keys_are_separate_targets() -> None:
+def test_inactive_model_is_advertised_but_not_active() -> None:
     state = RoutingState()
-    state.upsert_backend(MODEL_A, _backend("pylon-1"))
-    state.upsert_backend(KEYED_A, _backend("pylon-2"))
-    assert state.active_backend_count(MODEL_A) == 1
-    assert state.active_backend_count(KEYED_A) == 1
-    assert state.active_backend_count(RoutingTargetKey("", "model-a")) == 0
-    assert state.total_active_backend_count() == 2
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"m": _route()})
+    state.apply(reg, {"m": None})
+    assert state.snapshot(_target("m")) is None
+    assert state.is_advertised(_target("m"))  # 503, not 404
+    state.apply(reg, {})
+    assert not state.is_advertised(_target("m"))  # now 404
 
 
-def test_clusters_group_backends_and_count_each() -> None:
+def test_setting_one_model_inactive_removes_only_that_model() -> None:
     state = RoutingState()
-    state.upsert_backend(MODEL_A, _backend("pylon-1", "cluster-x"))
-    state.upsert_backend(MODEL_A, _backend("pylon-2", "cluster-x"))
-    state.upsert_backend(MODEL_A, _backend("pylon-3", "cluster-y"))
-    assert state.active_backend_count(MODEL_A) == 3
-    assert [b.inference_server_id for b in state.backends(MODEL_A)] == [
-        "pylon-1",
-        "pylon-2",
-        "pylon-3",
-    ]
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"a": _route(), "b": _route()})
+    state.apply(reg, {"a": None, "b": _route()})
+    assert state.list_models(None) == ["b"]
 
 
-def test_removing_the_last_backend_drops_the_target() -> None:
+def test_duplicate_live_id_is_refused_regardless_of_routing_key() -> None:
     state = RoutingState()
-    state.upsert_backend(MODEL_A, _backend("pylon-1", "c"))
-    state.upsert_backend(MODEL_A, _backend("pylon-2", "c"))
-    assert state.remove_backend(MODEL_A, "c", "pylon-1")
-    assert state.targets() == [MODEL_A]
-    assert state.remove_backend(MODEL_A, "c", "pylon-2")
-    assert state.targets() == []
+    state.begin(_identity("pylon-1", routing_key="tenant-a"))
+    with pytest.raises(AlreadyRegistered, match="'pylon-1' is already registered"):
+        state.begin(_identity("pylon-1", routing_key="tenant-b"))
+
+
+def test_end_removes_every_route_and_releases_the_id() -> None:
+    recorder = Recorder()
+    state = RoutingState(on_target_count=recorder)
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"a": _route(), "b": None})
+    assert state.end(reg)
     assert state.total_active_backend_count() == 0
+    assert not state.is_advertised(_target("a")) and not state.is_advertised(_target("b"))
+    assert (_target("a"), 0) in recorder.events
+    assert state.registrations() == []
+    state.begin(_identity("pylon-1"))  # the id is free again
+    assert not state.end(reg)  # ending twice is a no-op
 
 
-def test_removing_an_unknown_backend_changes_nothing() -> None:
+def test_stale_cleanup_cannot_remove_a_same_id_replacement() -> None:
     state = RoutingState()
-    state.upsert_backend(MODEL_A, _backend("pylon-1", "c"))
-    assert not state.remove_backend(MODEL_A, "other-cluster", "pylon-1")
-    assert not state.remove_backend(MODEL_A, "c", "pylon-9")
-    assert not state.remove_backend(MODEL_B, "c", "pylon-1")
+    old = state.begin(_identity("pylon-1"))
+    state.apply(old, {"m": _route()})
+    state.end(old)
+    new = state.begin(_identity("pylon-1"))
+    state.apply(new, {"m": _route()})
+    assert not state.end(old)
+    assert not state.apply(old, {})  # a late update of the old stream changes nothing
     assert state.total_active_backend_count() == 1
+    assert state.is_live(new) and not state.is_live(old)
+
+
+def test_membership_survives_until_the_last_advertiser_leaves() -> None:
+    state = RoutingState()
+    first = state.begin(_identity("pylon-1"))
+    second = state.begin(_identity("pylon-2"))
+    state.apply(first, {"m": None})
+    state.apply(second, {"m": None})
+    state.end(first)
+    assert state.is_advertised(_target("m"))
+    state.end(second)
+    assert not state.is_advertised(_target("m"))
+
+
+def test_cleanup_during_an_applying_update_removes_previous_and_advertised() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"old": _route()})
+
+    class Boom(Exception):
+        pass
+
+    class ExplodingRoutes(dict[str, BackendRoute | None]):
+        """Fails after step 1 of apply, as if the stream died mid-update."""
+
+        def items(self):  # type: ignore[no-untyped-def,override]
+            raise Boom
+
+    with pytest.raises(Boom):
+        state.apply(reg, ExplodingRoutes({"new": _route()}))
+    state.end(reg)
+    assert state.total_active_backend_count() == 0
+    assert not state.is_advertised(_target("old"))
+    assert not state.is_advertised(_target("new"))
+
+
+def test_routing_keys_isolate_targets() -> None:
+    state = RoutingState()
+    a = state.begin(_identity("pylon-a", routing_key="tenant-a"))
+    b = state.begin(_identity("pylon-b", routing_key="tenant-b"))
+    state.apply(a, {"m": _route()})
+    state.apply(b, {"m": _route()})
+    state.apply(a, {"m": None})  # demoting tenant A does not touch tenant B
+    assert state.snapshot(_target("m", "tenant-a")) is None
+    assert state.snapshot(_target("m", "tenant-b")) is not None
+    assert state.list_models(None) == []
+    assert state.list_models("tenant-b") == ["m"]
+    assert state.active_model_ids() == ["m"]
+
+
+def test_shared_cluster_sums_stats_and_keeps_siblings_when_one_leaves() -> None:
+    state = RoutingState()
+    one = state.begin(_identity("pylon-1", cluster_id="shared"))
+    two = state.begin(_identity("pylon-2", cluster_id="shared"))
+    state.apply(one, {"m": _route(rtt_ms=1, received_at=1, output_tps=17, queued_input_size=5)})
+    state.apply(two, {"m": _route(rtt_ms=2, received_at=2, output_tps=23, queued_input_size=7)})
+    snapshot = state.snapshot(_target("m"))
+    assert snapshot is not None
+    (cluster,) = snapshot.clusters
+    assert cluster.active_backend_count == 2
+    assert cluster.stats.output_tps == 40
+    assert cluster.stats.queued_input_size == 12
+    assert cluster.rtt_seconds == pytest.approx(0.0015)
+    state.end(two)
+    snapshot = state.snapshot(_target("m"))
+    assert snapshot is not None
+    assert snapshot.clusters[0].stats.output_tps == 17
+    assert state.list_models(None) == ["m"]
+
+
+def test_separate_clusters_are_separate_candidates() -> None:
+    state = RoutingState()
+    for server in ("pylon-1", "pylon-2"):
+        state.apply(state.begin(_identity(server)), {"m": _route()})
+    snapshot = state.snapshot(_target("m"))
+    assert snapshot is not None
+    assert sorted(c.cluster_id for c in snapshot.clusters) == ["pylon-1", "pylon-2"]
+    assert snapshot.active_backend_count == 2
+
+
+def test_emptied_target_is_dropped_and_recreated_fresh() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"m": _route()})
+    first = state.snapshot(_target("m"))
+    state.apply(reg, {"m": None})
+    assert state.targets() == []
+    state.apply(reg, {"m": _route()})
+    assert state.targets() == [_target("m")]
+    assert state.snapshot(_target("m")) is not first
+
+
+def test_list_models_filters_exactly() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"a": _route(), "b": _route(), "c": None})
+    assert state.list_models(None, ["b", "c", "zz", "b"]) == ["b"]
+    assert state.list_models("other") == []
+
+
+def test_latest_wins_fields_come_from_the_last_updated_backend() -> None:
+    mine = ModelStats(kv_cache_free_tokens=10, output_tps=1.0, last_mean_input_tps=math.inf)
+    theirs = ModelStats(kv_cache_free_tokens=99, output_tps=2.0, last_mean_input_tps=5.0)
+    aggregated = aggregate_stats([mine, theirs], theirs)
+    assert aggregated.kv_cache_free_tokens == 99
+    assert aggregated.output_tps == 3.0
+    assert aggregated.last_mean_input_tps == 5.0  # non-finite TPS is not summed
+
+
+def test_label_sets_are_an_order_preserving_union() -> None:
+    a = ModelStats(stats_sources=("engine", "pylon"))
+    b = ModelStats(stats_sources=("pylon", "probe"))
+    assert aggregate_stats([a, b], b).stats_sources == ("engine", "pylon", "probe")
+
+
+def test_rtt_mean_truncates_to_whole_nanoseconds() -> None:
+    assert mean_rtt_seconds([1, 2]) == 1e-9
+    assert mean_rtt_seconds([]) == 0.0
+
+
+def test_registration_repr_names_the_id() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1"))
+    assert isinstance(reg, Registration)
+    assert "pylon-1" in repr(reg)

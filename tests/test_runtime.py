@@ -29,6 +29,8 @@ def _config(**overrides: Any) -> ServeConfig:
     values: dict[str, Any] = {
         "stargate_id": "test-replica",
         "http_listen_addr": ListenAddress("127.0.0.1", 0),
+        "listen_addr": ListenAddress("127.0.0.1", 0),
+        "model_discovery_listen_addr": ListenAddress("127.0.0.1", 0),
         "metrics_port": 0,
         "shutdown_drain_timeout_ms": 5_000,
         "warmup": WarmupConfig(warmup_ms=0),
@@ -134,19 +136,18 @@ async def test_a_server_that_stops_on_its_own_shuts_the_replica_down_with_exit_1
     served: list[str] = []
 
     async def metrics_server_that_dies(*args: Any, task_status: Any) -> None:
-        if len(served) == 0:  # the first server started is the HTTP one: keep it real
-            served.append("http")
+        served.append(args[2])  # the socket: only the order matters
+        if len(served) < 4:  # HTTP and the two gRPC servers stay real
             await real_serve(*args, task_status=task_status)
             return
-        served.append("metrics")
-        task_status.started()
+        task_status.started()  # the metrics server (started last) stops at once
 
     monkeypatch.setattr(runtime, "serve_asgi", metrics_server_that_dies)
     replica = Replica(_config())
     async with trio.open_nursery() as nursery:
         _, exit_code = await _start(replica, nursery)
     assert exit_code() == 1
-    assert served == ["http", "metrics"]
+    assert len(served) == 4
     assert replica.shutting_down
     assert not replica.readiness.ready
 

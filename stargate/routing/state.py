@@ -1,19 +1,45 @@
-"""Routing targets, their clusters and backends, and the counts derived from them.
+"""The routing state: registrations, targets, clusters and the counts derived from them.
 
-All mutations run on the trio loop and contain no `await`, so each one is atomic with respect to
-every reader without locks (control-plane spec §3.7). A target that loses its last backend is
-dropped, so a later registration re-creates it with fresh per-target state.
+Control-plane spec §3. Every mutation runs on the trio loop and contains no `await`, so each one is
+atomic with respect to every reader without locks (§3.7). What the Rust code does with generation
+objects compared by pointer, this does with Python objects compared by `is`:
 
-Counting follows control-plane spec §3.8: one unit is one routable (registration, routing key,
-model) triple, that is one backend entry stored in one target's cluster. A backend serving three
-models counts three; heartbeats that only refresh an entry do not change the count.
+* a `Registration` is the generation of one admitted stream; every cleanup names the exact
+  generation it cleans up, so a late cleanup of an old stream can never remove a same-id
+  replacement;
+* a `ClusterGeneration` is shared by the live registrations of one (routing key, cluster id); it
+  is retired when the last one ends, and a cluster entry still holding a retired generation is
+  replaced whole on the next upsert;
+* a target (routing key, model) that loses its last backend is dropped, so per-target state (load
+  balancer memory, from the proxy) starts fresh when the target comes back.
+
+"Advertised" and "active" are different sets (§7 trap 7): every model a registration lists, in any
+status, is advertised (a request for it gets 503 rather than 404 while none is active); a model is
+active for a registration only while a backend entry is stored for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-__all__ = ["BackendEntry", "RoutingState", "RoutingTargetKey"]
+from stargate.routing.stats import ModelStats, aggregate_stats, mean_rtt_seconds
+
+__all__ = [
+    "AlreadyRegistered",
+    "BackendRoute",
+    "BackendSnapshot",
+    "ClusterGeneration",
+    "ClusterSnapshot",
+    "Registration",
+    "RegistrationIdentity",
+    "RoutingState",
+    "RoutingTargetKey",
+    "TargetSnapshot",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,70 +54,273 @@ class RoutingTargetKey:
 
 
 @dataclass(frozen=True, slots=True)
-class BackendEntry:
-    """One active backend of one target, as the proxy will see it (immutable; replaced whole)."""
+class RegistrationIdentity:
+    """What a registration stream may never change after admission (spec §2.4)."""
 
     inference_server_id: str
     cluster_id: str
     url: str
+    routing_key: str | None
 
 
-@dataclass(slots=True)
-class _Target:
-    clusters: dict[str, dict[str, BackendEntry]] = field(default_factory=dict)
+class AlreadyRegistered(Exception):
+    """Another live registration holds the same `inference_server_id` (any routing key)."""
+
+    def __init__(self, inference_server_id: str) -> None:
+        super().__init__(f"inference_server_id '{inference_server_id}' is already registered")
+        self.inference_server_id = inference_server_id
+
+
+class ClusterGeneration:
+    """The shared generation of one (routing key, cluster id) while registrations are live."""
+
+    __slots__ = ("cluster_id", "live_registrations", "retired", "routing_key")
+
+    def __init__(self, routing_key: str | None, cluster_id: str) -> None:
+        self.routing_key = routing_key
+        self.cluster_id = cluster_id
+        self.live_registrations = 0
+        self.retired = False
+
+
+class Registration:
+    """One admitted registration stream. Compared by identity, never by id string."""
+
+    __slots__ = ("_applying_previous", "cluster", "ended", "identity", "models")
+
+    def __init__(self, identity: RegistrationIdentity, cluster: ClusterGeneration) -> None:
+        self.identity = identity
+        self.cluster = cluster
+        self.models: frozenset[str] = frozenset()  # the advertised set
+        self._applying_previous: frozenset[str] | None = None
+        self.ended = False
+
+    def target(self, model_id: str) -> RoutingTargetKey:
+        return RoutingTargetKey(self.identity.routing_key, model_id)
+
+    def __repr__(self) -> str:
+        return f"Registration({self.identity.inference_server_id!r}, ended={self.ended})"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendRoute:
+    """An update's instruction to route one model to this registration's backend."""
+
+    stats: ModelStats
+    rtt_ns: int
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSnapshot:
+    """One active backend of one target. Immutable: replaced whole on every update, so a
+    request in flight keeps the snapshot it picked."""
+
+    registration: Registration
+    stats: ModelStats
+    rtt_ns: int
+    received_at: float
+
+    @property
+    def inference_server_id(self) -> str:
+        return self.registration.identity.inference_server_id
+
+    @property
+    def cluster_id(self) -> str:
+        return self.registration.identity.cluster_id
+
+    @property
+    def url(self) -> str:
+        return self.registration.identity.url
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """A cluster as load balancers see it: aggregated stats and its backends (sorted by id)."""
+
+    cluster_id: str
+    stats: ModelStats
+    rtt_seconds: float
+    received_at: float
+    backends: tuple[BackendSnapshot, ...]
 
     @property
     def active_backend_count(self) -> int:
-        return sum(len(backends) for backends in self.clusters.values())
+        return len(self.backends)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSnapshot:
+    """Every cluster of one target at one instant."""
+
+    target: RoutingTargetKey
+    clusters: tuple[ClusterSnapshot, ...]
+
+    @property
+    def active_backend_count(self) -> int:
+        return sum(cluster.active_backend_count for cluster in self.clusters)
+
+
+class _Cluster:
+    __slots__ = ("backends", "generation", "snapshot", "source_id")
+
+    def __init__(self, generation: ClusterGeneration) -> None:
+        self.generation = generation
+        self.backends: dict[str, BackendSnapshot] = {}
+        self.source_id: str | None = None
+        self.snapshot: ClusterSnapshot | None = None
+
+    def refresh(self) -> None:
+        """Recompute the cluster snapshot after an insert, replace or removal (spec §3.4)."""
+        if self.source_id not in self.backends:
+            # The source left: keep latest-wins fields from the most recently updated backend.
+            self.source_id = max(
+                self.backends.values(), key=lambda b: b.received_at
+            ).registration.identity.inference_server_id
+        source = self.backends[self.source_id]
+        ordered = tuple(self.backends[key] for key in sorted(self.backends))
+        self.snapshot = ClusterSnapshot(
+            cluster_id=self.generation.cluster_id,
+            stats=aggregate_stats([b.stats for b in ordered], source.stats),
+            rtt_seconds=mean_rtt_seconds([b.rtt_ns for b in ordered]),
+            received_at=source.received_at,
+            backends=ordered,
+        )
+
+
+class _Target:
+    __slots__ = ("clusters", "snapshot")
+
+    def __init__(self) -> None:
+        self.clusters: dict[str, _Cluster] = {}
+        self.snapshot: TargetSnapshot | None = None
+
+    @property
+    def active_backend_count(self) -> int:
+        return sum(len(cluster.backends) for cluster in self.clusters.values())
+
+
+TargetCountListener = Callable[[RoutingTargetKey, int], None]
 
 
 class RoutingState:
-    """Targets by (routing key, model), each holding clusters of active backends."""
+    """Registrations and the targets they make routable.
 
-    def __init__(self) -> None:
+    `on_target_count(target, count)` is called after every change of a target's active backend
+    count (with 0 when the target empties), so the metrics layer can keep the
+    `active_inference_servers` gauge without this module importing it.
+    """
+
+    def __init__(self, on_target_count: TargetCountListener | None = None) -> None:
+        self._on_target_count = on_target_count
+        self._registrations: dict[str, Registration] = {}
+        self._clusters: dict[tuple[str | None, str], ClusterGeneration] = {}
+        self._advertised: dict[RoutingTargetKey, int] = {}
         self._targets: dict[RoutingTargetKey, _Target] = {}
 
-    def upsert_backend(self, target: RoutingTargetKey, backend: BackendEntry) -> bool:
-        """Insert or replace `backend` in `target`; return True if it was newly inserted."""
-        state = self._targets.setdefault(target, _Target())
-        cluster = state.clusters.setdefault(backend.cluster_id, {})
-        inserted = backend.inference_server_id not in cluster
-        cluster[backend.inference_server_id] = backend
-        return inserted
+    # ---- registrations --------------------------------------------------------------------------
 
-    def remove_backend(
-        self, target: RoutingTargetKey, cluster_id: str, inference_server_id: str
-    ) -> bool:
-        """Remove one backend from `target`; return True if it was there.
+    def begin(self, identity: RegistrationIdentity) -> Registration:
+        """Reserve `identity.inference_server_id` for a new stream and join its cluster.
 
-        An emptied cluster is dropped, and so is an emptied target.
+        Raises `AlreadyRegistered` if a live registration has the same id, whatever its routing
+        key (spec §7 trap 2).
         """
+        if identity.inference_server_id in self._registrations:
+            raise AlreadyRegistered(identity.inference_server_id)
+        key = (identity.routing_key, identity.cluster_id)
+        generation = self._clusters.get(key)
+        if generation is None:
+            generation = self._clusters[key] = ClusterGeneration(*key)
+        generation.live_registrations += 1
+        registration = Registration(identity, generation)
+        self._registrations[identity.inference_server_id] = registration
+        return registration
+
+    def apply(self, registration: Registration, models: Mapping[str, BackendRoute | None]) -> bool:
+        """Apply one registration update: `models` maps every model the update lists to a route
+        (ACTIVE with an RTT) or None (listed but not routable).
+
+        Models missing from `models` lose both their route and their advertised membership.
+        Returns False (and changes nothing) if `registration` has already ended.
+        """
+        if not self.is_live(registration):
+            return False
+        previous = registration.models
+        advertised = frozenset(models)
+        # 1. Publish the advertised set first, so no reader ever sees a route for a model that is
+        #    not advertised.
+        for model_id in advertised - previous:
+            target = registration.target(model_id)
+            self._advertised[target] = self._advertised.get(target, 0) + 1
+        for model_id in previous - advertised:
+            self._unadvertise(registration.target(model_id))
+        registration._applying_previous = previous
+        registration.models = advertised
+        # 2. Routes of models no longer listed go.
+        for model_id in previous - advertised:
+            self._remove(registration, registration.target(model_id))
+        # 3. Upsert or remove each listed model.
+        for model_id, route in models.items():
+            if route is None:
+                self._remove(registration, registration.target(model_id))
+            else:
+                self._upsert(registration, registration.target(model_id), route)
+        registration._applying_previous = None
+        return True
+
+    def end(self, registration: Registration) -> bool:
+        """End exactly this registration: remove every route and advertised membership it holds.
+
+        A no-op (returns False) if the id now belongs to another registration or this one already
+        ended. If it ends mid-update, routes of the previous and the advertised set both go.
+        """
+        if self._registrations.get(registration.identity.inference_server_id) is not registration:
+            return False
+        del self._registrations[registration.identity.inference_server_id]
+        registration.ended = True
+        cleanup = registration.models | (registration._applying_previous or frozenset())
+        for model_id in registration.models:
+            self._unadvertise(registration.target(model_id))
+        generation = registration.cluster
+        generation.live_registrations -= 1
+        if generation.live_registrations == 0:
+            generation.retired = True
+            key = (generation.routing_key, generation.cluster_id)
+            if self._clusters.get(key) is generation:
+                del self._clusters[key]
+        for model_id in cleanup:
+            self._remove(registration, registration.target(model_id))
+        return True
+
+    def is_live(self, registration: Registration) -> bool:
+        return self._registrations.get(registration.identity.inference_server_id) is registration
+
+    def registrations(self) -> list[Registration]:
+        """Live registrations, by id."""
+        return [self._registrations[key] for key in sorted(self._registrations)]
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def snapshot(self, target: RoutingTargetKey) -> TargetSnapshot | None:
+        """Every cluster of `target` now, or None if it has no active backend."""
         state = self._targets.get(target)
         if state is None:
-            return False
-        cluster = state.clusters.get(cluster_id)
-        if cluster is None or cluster.pop(inference_server_id, None) is None:
-            return False
-        if not cluster:
-            del state.clusters[cluster_id]
-        if not state.clusters:
-            del self._targets[target]
-        return True
+            return None
+        if state.snapshot is None:
+            clusters = tuple(
+                cluster.snapshot for cluster in state.clusters.values() if cluster.snapshot
+            )
+            state.snapshot = TargetSnapshot(target, clusters)
+        return state.snapshot
+
+    def is_advertised(self, target: RoutingTargetKey) -> bool:
+        """True while some live registration lists the model under this routing key (any status)."""
+        return target in self._advertised
 
     def targets(self) -> list[RoutingTargetKey]:
         """Every target with at least one active backend."""
         return list(self._targets)
-
-    def backends(self, target: RoutingTargetKey) -> list[BackendEntry]:
-        """The active backends of `target`, by cluster id then server id."""
-        state = self._targets.get(target)
-        if state is None:
-            return []
-        return [
-            state.clusters[cluster_id][server_id]
-            for cluster_id in sorted(state.clusters)
-            for server_id in sorted(state.clusters[cluster_id])
-        ]
 
     def active_backend_count(self, target: RoutingTargetKey) -> int:
         """Active backends of one target (the `active_inference_servers` gauge's value)."""
@@ -99,8 +328,88 @@ class RoutingState:
         return 0 if state is None else state.active_backend_count
 
     def total_active_backend_count(self) -> int:
-        """The sum of active backend counts over every target and routing key (spec §3.8).
+        """Sum of active backend counts over every target and routing key (spec §3.8).
 
-        This is what the readiness sampler reads: not a count of distinct Pylons or streams.
+        One unit is one routable (registration, routing key, model) triple: not a count of
+        distinct Pylons or streams. This is what the readiness sampler reads.
         """
         return sum(state.active_backend_count for state in self._targets.values())
+
+    def list_models(
+        self, routing_key: str | None, model_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """Model ids with an active backend under exactly `routing_key`, sorted and unique.
+
+        With `model_ids`, only those ids are looked up (spec §2.11).
+        """
+        if model_ids:
+            wanted: Iterable[str] = set(model_ids)
+            found = {m for m in wanted if RoutingTargetKey(routing_key, m) in self._targets}
+        else:
+            found = {t.model_id for t in self._targets if t.routing_key == routing_key}
+        return sorted(found)
+
+    def active_model_ids(self) -> list[str]:
+        """Model ids with an active backend under any routing key, sorted and unique."""
+        return sorted({target.model_id for target in self._targets})
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _unadvertise(self, target: RoutingTargetKey) -> None:
+        remaining = self._advertised.get(target, 0) - 1
+        if remaining > 0:
+            self._advertised[target] = remaining
+        else:
+            self._advertised.pop(target, None)
+
+    def _upsert(
+        self, registration: Registration, target: RoutingTargetKey, route: BackendRoute
+    ) -> None:
+        state = self._targets.get(target)
+        if state is None:
+            state = self._targets[target] = _Target()
+        identity = registration.identity
+        cluster = state.clusters.get(identity.cluster_id)
+        if cluster is None or cluster.generation is not registration.cluster:
+            if cluster is not None and not cluster.generation.retired:
+                # Two live generations of one cluster in one target cannot happen: generations are
+                # keyed by (routing key, cluster id), the same key as the target's cluster map.
+                raise AssertionError(f"two live generations of cluster {identity.cluster_id!r}")
+            cluster = state.clusters[identity.cluster_id] = _Cluster(registration.cluster)
+        cluster.backends[identity.inference_server_id] = BackendSnapshot(
+            registration, route.stats, route.rtt_ns, route.received_at
+        )
+        cluster.source_id = identity.inference_server_id
+        cluster.refresh()
+        state.snapshot = None
+        self._publish(target)
+
+    def _remove(self, registration: Registration, target: RoutingTargetKey) -> None:
+        state = self._targets.get(target)
+        if state is None:
+            return
+        identity = registration.identity
+        cluster = state.clusters.get(identity.cluster_id)
+        if cluster is None:
+            return
+        if cluster.generation is not registration.cluster:
+            if not cluster.generation.retired:
+                return
+            del state.clusters[identity.cluster_id]  # stale: drop the whole retired cluster
+        else:
+            entry = cluster.backends.get(identity.inference_server_id)
+            if entry is None or entry.registration is not registration:
+                return
+            del cluster.backends[identity.inference_server_id]
+            if cluster.backends:
+                cluster.refresh()
+            else:
+                del state.clusters[identity.cluster_id]
+        state.snapshot = None
+        if not state.clusters:
+            del self._targets[target]
+        self._publish(target)
+
+    def _publish(self, target: RoutingTargetKey) -> None:
+        if self._on_target_count is not None:
+            self._on_target_count(target, self.active_backend_count(target))

@@ -1,0 +1,56 @@
+"""Small ASGI helpers shared by the replica's servers."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import trio
+
+__all__ = ["ASGIApp", "ASGIReceive", "ASGIScope", "ASGISend", "InFlight"]
+
+ASGIScope = MutableMapping[str, Any]
+ASGIMessage = MutableMapping[str, Any]
+ASGIReceive = Callable[[], Awaitable[ASGIMessage]]
+ASGISend = Callable[[ASGIMessage], Awaitable[None]]
+ASGIApp = Callable[[ASGIScope, ASGIReceive, ASGISend], Awaitable[None]]
+
+
+class InFlight:
+    """Counts the HTTP exchanges (requests, streams, gRPC calls) in progress on every server.
+
+    A graceful shutdown is over when this reaches zero, not when Hypercorn has closed every
+    connection: on its trio worker an idle keep-alive connection whose last exchange went through
+    QuartTrio is neither recycled nor closed when Hypercorn terminates (stack-notes P1), so
+    waiting for connections would hold every shutdown until the drain deadline. Idle connections
+    carry no work; once nothing is in flight the runtime cancels the servers.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def track(self, app: ASGIApp) -> ASGIApp:
+        """Wrap `app` so each of its HTTP exchanges counts while the app handles it."""
+
+        async def tracked(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            self.count += 1
+            if self.count == 1:
+                self._idle = trio.Event()
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.count -= 1
+                if self.count == 0:
+                    self._idle.set()
+
+        return tracked
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight (at once if nothing is)."""
+        while self.count:
+            await self._idle.wait()

@@ -1,0 +1,1 @@
+"""The control plane: gRPC registration, discovery and model listing."""

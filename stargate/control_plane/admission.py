@@ -1,0 +1,171 @@
+"""Admission and identity rules of a registration stream, as pure functions (spec §2.4, §2.7).
+
+Decision 3 of the spec: backends are reached over HTTP, so a registration's URL must be `http://`
+or `https://`; `quic://` (the Rust replica's direct transport) and reverse tunnels are refused with
+INVALID_ARGUMENT and a message naming what is supported. Host names are accepted as well as IP
+literals, since an HTTP client resolves them (the Rust IP-literal rule existed for QUIC dials).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from urllib.parse import urlsplit
+
+from stargate.control_plane.grpc import GrpcError, GrpcStatus
+from stargate.protocol import stargate_pb2 as pb
+from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity
+
+__all__ = [
+    "admit",
+    "bearer_token",
+    "check_identity",
+    "negotiate_idle_timeout",
+    "routes_for_update",
+    "stats_from_wire",
+]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_HEADER = "x-stargate-registration-heartbeat-ms"
+SUPPORTED_SCHEMES = ("http", "https")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _invalid(message: str) -> GrpcError:
+    return GrpcError(GrpcStatus.INVALID_ARGUMENT, message)
+
+
+def _invalid_url(reason: str) -> GrpcError:
+    return _invalid(f"invalid inference_server_url: inference_server_url {reason}")
+
+
+def validate_backend_url(url: str) -> None:
+    """Raise INVALID_ARGUMENT unless `url` is an absolute http(s) URL with a host."""
+    if not _SCHEME.match(url):
+        raise _invalid_url("must be a valid URL")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise _invalid_url("must be a valid URL") from None
+    scheme = parts.scheme.lower()
+    if scheme == "quic":
+        raise _invalid_url(
+            "scheme must be http or https (quic backends are not supported: "
+            "this replica reaches backends over HTTP)"
+        )
+    if scheme not in SUPPORTED_SCHEMES:
+        raise _invalid_url("scheme must be http or https")
+    if not parts.hostname:
+        raise _invalid_url("must include host")
+    del port  # parsed only to reject malformed ports; http(s) have default ports
+
+
+def admit(message: pb.InferenceServerRegistration, routing_key: str | None) -> RegistrationIdentity:
+    """Check a stream's first message (spec §2.4, in order) and derive its identity."""
+    if not message.inference_server_id:
+        raise _invalid("inference_server_id is empty")
+    if not message.inference_server_url:
+        raise _invalid("inference_server_url is empty")
+    validate_backend_url(message.inference_server_url)
+    if message.reverse_tunnel:
+        raise _invalid("reverse tunnel flag set but no reverse tunnel config")
+    return RegistrationIdentity(
+        inference_server_id=message.inference_server_id,
+        cluster_id=message.cluster_id or message.inference_server_id,
+        url=message.inference_server_url,
+        routing_key=routing_key,
+    )
+
+
+def check_identity(message: pb.InferenceServerRegistration, identity: RegistrationIdentity) -> None:
+    """Every message must keep the admitted identity (checked in the Rust order)."""
+    if message.reverse_tunnel:
+        raise _invalid("reverse tunnel flag changed")
+    if message.inference_server_url != identity.url:
+        raise _invalid("inference_server_url changed")
+    if message.inference_server_id != identity.inference_server_id:
+        raise _invalid("inference_server_id changed")
+    if (message.cluster_id or message.inference_server_id) != identity.cluster_id:
+        raise _invalid("cluster_id changed")
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `authorization: Bearer <token>` header (exact, case-sensitive prefix)."""
+    if authorization is None or not authorization.startswith("Bearer "):
+        return None
+    return authorization[len("Bearer ") :]
+
+
+def negotiate_idle_timeout(header: str | None, floor_ms: int, cap_ms: int) -> float | None:
+    """Seconds a stream may stay silent (spec §2.7); None = wait forever.
+
+    Any zero flag disables idle enforcement. Without a usable heartbeat header the cap applies;
+    otherwise min(max(3 x heartbeat, floor), cap): the cap wins even when it is below the floor.
+    """
+    if floor_ms == 0 or cap_ms == 0:
+        return None
+    if header is None:
+        return cap_ms / 1000
+    if not header.isascii() or not header.isdigit():
+        log.warning("malformed %s header %r; using the idle timeout cap", HEARTBEAT_HEADER, header)
+        return cap_ms / 1000
+    return min(max(3 * int(header), floor_ms), cap_ms) / 1000
+
+
+def stats_from_wire(stats: pb.ModelStats) -> ModelStats:
+    """The routing state's immutable copy of a wire `ModelStats`."""
+    return ModelStats(
+        last_mean_input_tps=stats.last_mean_input_tps,
+        output_tps=stats.output_tps,
+        queue_size=stats.queue_size,
+        queued_input_size=stats.queued_input_size,
+        max_output_tps=stats.max_output_tps,
+        kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens,
+        kv_cache_used_tokens=stats.kv_cache_used_tokens,
+        kv_cache_free_tokens=stats.kv_cache_free_tokens,
+        num_running_queries=stats.num_running_queries,
+        max_engine_concurrency=stats.max_engine_concurrency,
+        total_query_input_size=stats.total_query_input_size,
+        queue_time_estimate_ms_by_priority=tuple(
+            sorted(stats.queue_time_estimate_ms_by_priority.items())
+        ),
+        input_processing_queries=stats.input_processing_queries,
+        output_generation_queries=stats.output_generation_queries,
+        stats_observed_at_unix_ms=stats.stats_observed_at_unix_ms,
+        stats_capabilities=tuple(stats.stats_capabilities),
+        stats_sources=tuple(stats.stats_sources),
+    )
+
+
+def routes_for_update(
+    message: pb.InferenceServerRegistration, rtt_ns: int | None, received_at: float
+) -> dict[str, BackendRoute | None]:
+    """Each listed model's effective status (spec §2.9): a route, or None if not routable.
+
+    Missing stats force INACTIVE; UNKNOWN and unknown enum numbers are not routable; an ACTIVE
+    model without an RTT (the backend's health check failed) is not routable either.
+    """
+    routes: dict[str, BackendRoute | None] = {}
+    for model_id, model in message.models.items():
+        route: BackendRoute | None = None
+        if not model.HasField("stats"):
+            log.warning(
+                "missing model stats in registration; setting model status to inactive "
+                "(inference_server_id=%s model=%s)",
+                message.inference_server_id,
+                model_id,
+            )
+        elif model.status == pb.INFERENCE_SERVER_STATUS_ACTIVE:
+            if rtt_ns is None:
+                log.warning(
+                    "active model registration missing connection RTT; skipping routing update "
+                    "(inference_server_id=%s model=%s)",
+                    message.inference_server_id,
+                    model_id,
+                )
+            else:
+                route = BackendRoute(stats_from_wire(model.stats), rtt_ns, received_at)
+        routes[model_id] = route
+    return routes

@@ -1,0 +1,166 @@
+"""The `RegisterInferenceServer` stream: one task per Pylon stream, from auth to cleanup.
+
+Lifecycle (control-plane spec §2.3, HTTP backends by decision 3):
+
+1. authenticate the bearer token before reading anything (UNAUTHENTICATED on failure);
+2. negotiate the idle timeout from `x-stargate-registration-heartbeat-ms` (§2.7);
+3. wait for the first message: end, idle timeout or shutdown first ends the stream with OK;
+4. admit it (§2.4) and reserve the id in the routing state (ALREADY_EXISTS for a live duplicate);
+5. for this and every later message, strictly in order: check the identity, get the backend's
+   RTT from its health monitor, apply the update to the routing state, send one ack;
+6. however the stream ends (client end, idle timeout, error status, disconnect, shutdown), remove
+   every route of this exact registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from stargate.control_plane.admission import (
+    HEARTBEAT_HEADER,
+    admit,
+    bearer_token,
+    check_identity,
+    negotiate_idle_timeout,
+    routes_for_update,
+)
+from stargate.control_plane.auth import AuthenticationFailed, Authenticator
+from stargate.control_plane.grpc import GrpcError, GrpcStatus, RequestStream, RpcContext
+from stargate.control_plane.health import HealthMonitor, HealthProbe
+from stargate.protocol import stargate_pb2 as pb
+from stargate.routing import AlreadyRegistered, Registration, RoutingState
+
+__all__ = ["RegistrationService", "RegistrationSettings"]
+
+log = logging.getLogger(__name__)
+
+Registrations = RequestStream[pb.InferenceServerRegistration]
+SendAck = Callable[[pb.InferenceServerAck], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationSettings:
+    """The idle-timeout flags (0 in either disables idle enforcement) and the probe interval."""
+
+    idle_timeout_ms: int = 60_000
+    max_idle_timeout_ms: int = 300_000
+    health_interval_seconds: float = 1.0
+
+
+class RegistrationService:
+    """Serves every registration stream of one replica against its routing state."""
+
+    def __init__(
+        self,
+        routing: RoutingState,
+        authenticator: Authenticator,
+        probe: HealthProbe,
+        settings: RegistrationSettings = RegistrationSettings(),
+    ) -> None:
+        self._routing = routing
+        self._authenticator = authenticator
+        self._probe = probe
+        self._settings = settings
+        self._streams: set[trio.CancelScope] = set()
+        self._shutting_down = False
+
+    @property
+    def authenticator(self) -> Authenticator:
+        return self._authenticator
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self) -> None:
+        """End every stream at its next wait point (OK status, routes removed), refuse new ones."""
+        self._shutting_down = True
+        for scope in self._streams:
+            scope.cancel()
+
+    async def register(self, requests: Registrations, context: RpcContext, send: SendAck) -> None:
+        """The stream-stream handler of `/stargate.StargateControlPlane/RegisterInferenceServer`."""
+        token = bearer_token(context.metadata.get("authorization"))
+        try:
+            routing_key = await self._authenticator.authenticate(token)
+        except AuthenticationFailed:
+            raise GrpcError(GrpcStatus.UNAUTHENTICATED, "authentication failed") from None
+        idle_timeout = negotiate_idle_timeout(
+            context.metadata.get(HEARTBEAT_HEADER),
+            self._settings.idle_timeout_ms,
+            self._settings.max_idle_timeout_ms,
+        )
+        with trio.CancelScope() as scope:
+            self._streams.add(scope)
+            if self._shutting_down:
+                scope.cancel()
+            try:
+                first = await self._next_message(requests, idle_timeout)
+                if first is None:
+                    return
+                identity = admit(first, routing_key)
+                try:
+                    registration = self._routing.begin(identity)
+                except AlreadyRegistered as error:
+                    raise GrpcError(GrpcStatus.ALREADY_EXISTS, str(error)) from None
+                log.info(
+                    "registration admitted: inference_server_id=%s cluster_id=%s url=%s "
+                    "routing_key=%s idle_timeout=%s",
+                    identity.inference_server_id,
+                    identity.cluster_id,
+                    identity.url,
+                    "" if routing_key is None else routing_key,
+                    "none" if idle_timeout is None else f"{idle_timeout:g}s",
+                )
+                try:
+                    await self._serve_admitted(registration, first, requests, idle_timeout, send)
+                finally:
+                    self._routing.end(registration)
+                    log.info(
+                        "registration ended: inference_server_id=%s", identity.inference_server_id
+                    )
+            finally:
+                self._streams.discard(scope)
+
+    async def _serve_admitted(
+        self,
+        registration: Registration,
+        first: pb.InferenceServerRegistration,
+        requests: Registrations,
+        idle_timeout: float | None,
+        send: SendAck,
+    ) -> None:
+        monitor = HealthMonitor(
+            registration.identity.url, self._probe, self._settings.health_interval_seconds
+        )
+        failure: GrpcError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(monitor.run)
+            try:
+                message: pb.InferenceServerRegistration | None = first
+                while message is not None:
+                    check_identity(message, registration.identity)
+                    rtt_ns = await monitor.rtt_for_update()
+                    routes = routes_for_update(message, rtt_ns, trio.current_time())
+                    self._routing.apply(registration, routes)
+                    await send(pb.InferenceServerAck())
+                    message = await self._next_message(requests, idle_timeout)
+            except GrpcError as error:
+                failure = error  # raised below, outside the nursery, unwrapped
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _next_message(
+        self, requests: Registrations, idle_timeout: float | None
+    ) -> pb.InferenceServerRegistration | None:
+        """The next message; None when the client ended the stream or the idle timeout fired."""
+        with trio.move_on_after(math.inf if idle_timeout is None else idle_timeout):
+            return await requests.receive()
+        log.warning("registration stream idle timeout; closing registration")
+        return None
