@@ -1,0 +1,1 @@
+"""The data plane: the OpenAI-compatible proxy."""
