@@ -23,6 +23,7 @@ from stargate.config import (
     ControlPlaneConfig,
     DiscoverySettings,
     ListenAddress,
+    ProxyConfig,
     ServeConfig,
     WarmupConfig,
     parse_listen_address,
@@ -247,6 +248,81 @@ def main() -> None:
     help="How backends are reached. Only direct (HTTP) is offered; reverse is refused.",
 )
 @_option(
+    "--proxy-max-connect-retries",
+    envvar="STARGATE_PROXY_MAX_CONNECT_RETRIES",
+    type=NON_NEGATIVE_INT,
+    default=2,
+    help="Per request: how many times a transport failure (refused, reset, response-head "
+    "timeout) may move the request to another backend.",
+)
+@_option(
+    "--proxy-max-request-retries",
+    envvar="STARGATE_PROXY_MAX_REQUEST_RETRIES",
+    type=NON_NEGATIVE_INT,
+    default=2,
+    help="Per request: how many retryable upstream 429/503 responses may be retried elsewhere.",
+)
+@_option(
+    "--proxy-max-replay-body-bytes",
+    envvar="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
+    type=NON_NEGATIVE_INT,
+    default=64 * 1024 * 1024,
+    help="Largest request body accepted (kept in memory for replay on a retry); larger is 413.",
+)
+@_option(
+    "--proxy-require-pylon-retry-signal",
+    envvar="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
+    type=click.BOOL,
+    default=True,
+    help="Retry an upstream 429/503 only when it carries x-stargate-retryable: true "
+    "(takes a value: --proxy-require-pylon-retry-signal=false).",
+)
+@_option(
+    "--proxy-retry-budget-header",
+    envvar="STARGATE_PROXY_RETRY_BUDGET_HEADER",
+    default="x-stargate-max-wait-ms",
+    help="Request header carrying a retry budget in ms (retries start only within it); "
+    "empty disables.",
+)
+@_option(
+    "--proxy-response-header-timeout-ms",
+    envvar="STARGATE_PROXY_RESPONSE_HEADER_TIMEOUT_MS",
+    type=POSITIVE_INT,
+    default=30_000,
+    help="Longest wait for a backend's response head (then 502 or a retry); the streamed body "
+    "has no timeout.",
+)
+@_option(
+    "--proxy-connect-timeout-ms",
+    envvar="STARGATE_PROXY_CONNECT_TIMEOUT_MS",
+    type=POSITIVE_INT,
+    default=5_000,
+    help="Timeout of one TCP (and TLS) connect to a backend.",
+)
+@_option(
+    "--accept-openai-requests",
+    envvar="STARGATE_ACCEPT_OPENAI_REQUESTS",
+    is_flag=True,
+    default=False,
+    help="Let plain OpenAI clients through: without x-model, the model comes from the JSON body, "
+    "x-request-id is generated and returned, x-input-tokens is estimated.",
+)
+@_option(
+    "--lb-config-path",
+    envvar="STARGATE_LB_CONFIG_PATH",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="JSON load-balancer config (default algorithm, per-model algorithms, header "
+    "overrides). Without it: power-of-n, with every algorithm selectable by x-routing-method.",
+)
+@_option(
+    "--upstream-ca-file",
+    envvar="STARGATE_UPSTREAM_CA_FILE",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="Extra CA certificates (PEM) trusted for https:// backends, besides the system store.",
+)
+@_option(
     "--metrics-port",
     envvar="STARGATE_METRICS_PORT",
     type=PORT,
@@ -317,6 +393,16 @@ def serve(
     registration_token_file: Path | None,
     health_check_timeout_ms: int,
     backend_connectivity: str,
+    proxy_max_connect_retries: int,
+    proxy_max_request_retries: int,
+    proxy_max_replay_body_bytes: int,
+    proxy_require_pylon_retry_signal: bool,
+    proxy_retry_budget_header: str,
+    proxy_response_header_timeout_ms: int,
+    proxy_connect_timeout_ms: int,
+    accept_openai_requests: bool,
+    lb_config_path: Path | None,
+    upstream_ca_file: Path | None,
     metrics_port: int,
     metrics_prefix: str,
     shutdown_drain_timeout_ms: int,
@@ -358,6 +444,18 @@ def serve(
                 worker_auth_endpoint=(worker_auth_endpoint or "").strip() or None,
                 registration_token_file=registration_token_file,
                 health_check_timeout_ms=health_check_timeout_ms,
+            ),
+            proxy=ProxyConfig(
+                max_connect_retries=proxy_max_connect_retries,
+                max_request_retries=proxy_max_request_retries,
+                max_replay_body_bytes=proxy_max_replay_body_bytes,
+                require_pylon_retry_signal=proxy_require_pylon_retry_signal,
+                retry_budget_header=proxy_retry_budget_header.strip().lower() or None,
+                response_header_timeout_ms=proxy_response_header_timeout_ms,
+                connect_timeout_ms=proxy_connect_timeout_ms,
+                accept_openai_requests=accept_openai_requests,
+                lb_config_path=lb_config_path,
+                upstream_ca_file=upstream_ca_file,
             ),
         )
     except ConfigError as error:

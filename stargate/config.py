@@ -17,6 +17,7 @@ __all__ = [
     "ControlPlaneConfig",
     "DiscoverySettings",
     "ListenAddress",
+    "ProxyConfig",
     "ServeConfig",
     "WarmupConfig",
     "parse_listen_address",
@@ -164,6 +165,35 @@ class ControlPlaneConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """The data plane: retries, replay, upstream timeouts, load balancing, OpenAI mode."""
+
+    max_connect_retries: int = 2
+    max_request_retries: int = 2
+    max_replay_body_bytes: int = 64 * 1024 * 1024
+    require_pylon_retry_signal: bool = True
+    retry_budget_header: str | None = "x-stargate-max-wait-ms"
+    response_header_timeout_ms: int = 30_000
+    connect_timeout_ms: int = 5_000
+    accept_openai_requests: bool = False
+    lb_config_path: Path | None = None
+    upstream_ca_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_connect_retries", "max_request_retries", "max_replay_body_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name.replace('_', ' ')} must not be negative")
+        if self.response_header_timeout_ms <= 0 or self.connect_timeout_ms <= 0:
+            raise ConfigError("upstream timeouts must be greater than 0")
+        header = self.retry_budget_header
+        if header is not None and not _HEADER_NAME.match(header):
+            raise ConfigError(f"invalid proxy retry budget header: {header!r}")
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `stargate serve` needs to run one replica."""
 
@@ -178,6 +208,7 @@ class ServeConfig:
     warmup: WarmupConfig = WarmupConfig()
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
     def __post_init__(self) -> None:
         if not self.stargate_id:

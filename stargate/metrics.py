@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-__all__ = ["Metrics", "ReadinessMetrics", "metrics_asgi_app"]
+__all__ = ["Metrics", "ProxyMetrics", "ReadinessMetrics", "metrics_asgi_app"]
 
 # `_created` series double the exposition for no operator value; the Rust replica has none.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -68,6 +68,123 @@ class ReadinessMetrics:
         )
 
 
+# Upstream latency ranges from milliseconds to multi-minute cold loads: buckets reach 600 s.
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+)
+ROUTING_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
+REPLAY_BUCKETS = tuple(
+    float(b) for b in (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyMetrics:
+    """The data plane's series (control-plane spec §5, data-plane spec §3.10)."""
+
+    requests: Counter
+    attempts: Counter
+    retries: Counter
+    retry_exhausted: Counter
+    selections: Counter
+    admission_rejections: Counter
+    duration: Histogram
+    routing_duration: Histogram
+    replay_buffer_bytes: Histogram
+    in_flight: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, prefix: str) -> ProxyMetrics:
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"{prefix}{name}", doc, labelnames=labels, registry=registry)
+
+        return cls(
+            requests=counter(
+                "requests_total",
+                "Finished proxied requests by final status (400s are not counted).",
+                "inference_server_id",
+                "model",
+                "routing_key",
+                "status",
+            ),
+            attempts=counter(
+                "proxy_attempts_total",
+                "Upstream attempts by result (upstream_<code> or proxy_<code>).",
+                "inference_server_id",
+                "model",
+                "result",
+                "routing_key",
+            ),
+            retries=counter(
+                "proxy_retries_total", "Retries by reason.", "model", "reason", "routing_key"
+            ),
+            retry_exhausted=counter(
+                "proxy_retry_exhausted_total",
+                "Requests that wanted a retry but could not have one, by reason.",
+                "model",
+                "reason",
+                "routing_key",
+            ),
+            selections=counter(
+                "routing_selections_total",
+                "Cluster choices used for attempts.",
+                "algorithm",
+                "model",
+                "routing_key",
+                "selection",
+            ),
+            admission_rejections=counter(
+                "admission_rejections_total",
+                "Requests refused by input-work admission before routing.",
+                "model",
+                "reason",
+                "routing_key",
+            ),
+            duration=Histogram(
+                f"{prefix}proxy_duration_seconds",
+                "Time from request start to the upstream response head.",
+                labelnames=("inference_server_id", "model", "routing_key"),
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            routing_duration=Histogram(
+                f"{prefix}routing_duration_seconds",
+                "Time to select a backend (first selection of a request).",
+                labelnames=("model", "routing_key"),
+                buckets=ROUTING_BUCKETS,
+                registry=registry,
+            ),
+            replay_buffer_bytes=Histogram(
+                f"{prefix}proxy_replay_buffer_bytes",
+                "Request body bytes kept for replay, per attempt.",
+                labelnames=("model",),
+                buckets=REPLAY_BUCKETS,
+                registry=registry,
+            ),
+            in_flight=Gauge(
+                f"{prefix}proxy_requests_in_flight",
+                "Proxied requests in progress (including streams).",
+                registry=registry,
+            ),
+        )
+
+
 class Metrics:
     """All metric families of one replica."""
 
@@ -75,6 +192,7 @@ class Metrics:
         self.registry = registry
         self.prefix = prefix
         self.readiness = ReadinessMetrics.create(registry, prefix)
+        self.proxy = ProxyMetrics.create(registry, prefix)
         self.active_inference_servers = Gauge(
             f"{prefix}active_inference_servers",
             "Active backends per (routing key, model) target; 0 once a target empties.",

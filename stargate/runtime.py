@@ -18,7 +18,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import trio
@@ -30,7 +30,13 @@ from prometheus_client import CollectorRegistry
 
 from stargate import __version__, hypercorn_fixes
 from stargate.asgi import InFlight
-from stargate.config import ConfigError, ControlPlaneConfig, ListenAddress, ServeConfig
+from stargate.config import (
+    ConfigError,
+    ControlPlaneConfig,
+    ListenAddress,
+    ProxyConfig,
+    ServeConfig,
+)
 from stargate.control_plane.auth import (
     Authenticator,
     OpenAuthenticator,
@@ -44,8 +50,12 @@ from stargate.control_plane.registration import RegistrationService, Registratio
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.http_app import create_http_app
 from stargate.metrics import Metrics, metrics_asgi_app
+from stargate.proxy.app import ProxyApp
+from stargate.proxy.router import Router
+from stargate.proxy.upstream import PoolConfig, UpstreamPool
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
+from stargate.routing.lb_config import LbConfig, LbConfigError, default_lb_config, load_lb_config
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
 
@@ -145,6 +155,15 @@ class Replica:
         self.routing = RoutingState(on_target_count=self._publish_target_count)
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
         self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
+        proxy = config.proxy
+        self.pool = UpstreamPool(
+            PoolConfig(
+                connect_timeout=proxy.connect_timeout_ms / 1000,
+                response_head_timeout=proxy.response_header_timeout_ms / 1000,
+                ca_file=None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file),
+            )
+        )
+        self.router = Router(self.routing, self.pool, proxy, _lb_config(proxy), self.metrics.proxy)
         control = config.control_plane
         self.registrations = RegistrationService(
             self.routing,
@@ -155,6 +174,7 @@ class Replica:
                 probe_timeout=control.health_check_timeout_ms / 1000,
             ),
             RegistrationSettings(control.idle_timeout_ms, control.max_idle_timeout_ms),
+            on_backend_healthy=self.router.backend_healthy,
         )
         self.publisher: WatchPublisher | None = None
         self.bound: BoundAddresses | None = None
@@ -236,7 +256,16 @@ class Replica:
             )
         max_bytes = config.control_plane.grpc_max_message_bytes
         servers: list[tuple[str, ASGIApp, socket.socket]] = [
-            ("HTTP server", self.http_app, http_sock),
+            (
+                "HTTP server",
+                ProxyApp(
+                    self.router,
+                    config.proxy,
+                    self.metrics.proxy,
+                    fallback=cast(ASGIApp, self.http_app),
+                ),
+                http_sock,
+            ),
             (
                 "control-plane gRPC server",
                 control_plane_app(self.registrations, self.publisher, max_message_bytes=max_bytes),
@@ -285,6 +314,7 @@ class Replica:
         finally:
             with trio.CancelScope(shield=True):
                 await self._health_client.aclose()
+                await self.pool.aclose()
 
         if self._forced:
             log.error("forcing immediate exit")
@@ -314,6 +344,13 @@ class Replica:
                 self._failed = True
                 self.begin_shutdown()
 
+    async def _expire_idle_upstream_connections(self) -> None:
+        """Close idle backend connections past their expiry, so a backend that gets no more
+        traffic does not keep sockets open until shutdown."""
+        while True:
+            await trio.sleep(self.pool.config.idle_expiry)
+            self.pool.close_expired()
+
     async def _finish_drain(self) -> None:
         """End the servers once nothing is in flight; their remaining connections are idle."""
         await self._in_flight.wait_idle()
@@ -324,6 +361,8 @@ class Replica:
 
     def _publish_target_count(self, target: RoutingTargetKey, count: int) -> None:
         self.metrics.set_active_inference_servers(target.routing_key, target.model_id, count)
+        if count == 0:
+            self.router.forget_target(target)
 
     def _debug_config(self) -> dict[str, Any]:
         """`/debug/state`'s `config`: the Rust field set, with this replica's HTTP transport."""
@@ -354,6 +393,22 @@ def _bind_all(listeners: list[tuple[str, ListenAddress]]) -> list[socket.socket]
             sock.close()
         raise
     return bound
+
+
+def _lb_config(config: ProxyConfig) -> LbConfig:
+    """The load-balancer config file, or the permissive default; a bad file fails start-up."""
+    if config.lb_config_path is None:
+        return default_lb_config()
+    try:
+        lb_config = load_lb_config(config.lb_config_path)
+    except (LbConfigError, OSError) as error:
+        raise StartupError(f"invalid load balancer config: {error}") from error
+    log.info(
+        "load balancer config loaded: default_lb=%s model_overrides=%d",
+        lb_config.default.name,
+        len(lb_config.models),
+    )
+    return lb_config
 
 
 def _authenticator(config: ControlPlaneConfig) -> Authenticator:

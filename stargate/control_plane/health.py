@@ -60,11 +60,17 @@ class HealthMonitor:
     """The latest health sample of one registration's backend."""
 
     def __init__(
-        self, url: str, probe: HealthProbe, interval: float = PROBE_INTERVAL_SECONDS
+        self,
+        url: str,
+        probe: HealthProbe,
+        interval: float = PROBE_INTERVAL_SECONDS,
+        *,
+        on_healthy: Callable[[], None] | None = None,
     ) -> None:
         self._url = url
         self._probe = probe
         self._interval = interval
+        self._on_healthy = on_healthy
         self.rtt_ns: int | None = None  # None = pending (never probed, or the last probe failed)
 
     async def run(self) -> None:
@@ -80,6 +86,9 @@ class HealthMonitor:
             if self.rtt_ns is not None:
                 log.warning("health check failed: %s", error)
             self.rtt_ns = None
+        else:
+            if self._on_healthy is not None:
+                self._on_healthy()  # e.g. lift a demotion after a failed connection
         return self.rtt_ns
 
     async def rtt_for_update(self) -> int | None:

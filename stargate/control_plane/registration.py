@@ -61,8 +61,11 @@ class RegistrationService:
         authenticator: Authenticator,
         probe: HealthProbe,
         settings: RegistrationSettings = RegistrationSettings(),
+        *,
+        on_backend_healthy: Callable[[str], None] | None = None,
     ) -> None:
         self._routing = routing
+        self._on_backend_healthy = on_backend_healthy
         self._authenticator = authenticator
         self._probe = probe
         self._settings = settings
@@ -135,8 +138,13 @@ class RegistrationService:
         idle_timeout: float | None,
         send: SendAck,
     ) -> None:
+        server_id = registration.identity.inference_server_id
+        on_healthy = self._on_backend_healthy
         monitor = HealthMonitor(
-            registration.identity.url, self._probe, self._settings.health_interval_seconds
+            registration.identity.url,
+            self._probe,
+            self._settings.health_interval_seconds,
+            on_healthy=None if on_healthy is None else (lambda: on_healthy(server_id)),
         )
         failure: GrpcError | None = None
         async with trio.open_nursery() as nursery:

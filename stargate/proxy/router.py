@@ -1,0 +1,300 @@
+"""Forwarding one proxied request: routing attempts, upstream attempts, retries (spec §2).
+
+The outer loop takes a fresh snapshot of the target, asks the load balancer for a cluster
+(excluding clusters this request already failed) and picks a backend in it by the cluster's round
+robin; the inner loop runs attempts on that cluster. Transport failures move to a sibling backend
+(then to another cluster); a retryable upstream 429/503 moves to another cluster, or to a sibling
+for `queue_estimate_mismatch`. Both retry counters are per request. Once a response head is
+accepted as final nothing is retried: its body is streamed to the client as it arrives.
+
+The request body is read whole before routing (bounded by `--proxy-max-replay-body-bytes`), so a
+retry can always replay it. That trades the Rust replica's streaming first upload for a simpler,
+always-replayable attempt; LLM request bodies are small next to the default 64 MiB bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import trio
+
+from stargate.config import ProxyConfig
+from stargate.metrics import ProxyMetrics
+from stargate.proxy.contract import ContractError, Headers, ProxyRequest, first_header
+from stargate.proxy.upstream import (
+    ConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
+from stargate.routing import BackendSnapshot, ClusterSnapshot, RoutingState, RoutingTargetKey
+from stargate.routing.balancers import RoutingRequest, choose_backend, expected_queue_ms
+from stargate.routing.lb_config import (
+    AlgorithmSpec,
+    AlgorithmUnavailable,
+    BalancerRegistry,
+    LbConfig,
+    UnknownAlgorithm,
+    parse_algorithm_header,
+    resolve,
+)
+
+__all__ = ["NO_ELIGIBLE_CANDIDATES", "Forwarded", "LocalError", "Router"]
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUSES = frozenset({429, 503})
+QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
+DEFAULT_RETRY_REASON = "retryable_upstream_response"
+
+NO_ELIGIBLE_CANDIDATES = ContractError(
+    404,
+    b'{"error":"no eligible candidates","code":"no_eligible_candidates"}',
+    [(b"content-type", b"application/json"), (b"x-stargate-error-code", b"no_eligible_candidates")],
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalError:
+    """A response the replica generates itself (no backend produced it)."""
+
+    error: ContractError
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """The final upstream response and the backend that produced it."""
+
+    response: UpstreamResponse
+    backend: BackendSnapshot
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """Per-request retry state (§2.1)."""
+
+    failed_backends: set[str]
+    failed_clusters: set[str]
+    connect_retries: int = 0
+    request_retries: int = 0
+
+    @property
+    def failed_any(self) -> bool:
+        return bool(self.failed_backends or self.failed_clusters)
+
+
+class Router:
+    """Chooses backends for proxied requests and runs the attempts against them."""
+
+    def __init__(
+        self,
+        routing: RoutingState,
+        pool: UpstreamPool,
+        config: ProxyConfig,
+        lb_config: LbConfig,
+        metrics: ProxyMetrics,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._routing = routing
+        self._pool = pool
+        self._config = config
+        self._lb_config = lb_config
+        self._balancers = BalancerRegistry()
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self._backend_counters: dict[tuple[Hashable, str], int] = {}
+        self.demoted: set[str] = set()
+
+    def forget_target(self, target: RoutingTargetKey) -> None:
+        """The target emptied: its load-balancer state and cluster counters start afresh."""
+        self._balancers.forget(target)
+        for key in [key for key in self._backend_counters if key[0] == target]:
+            del self._backend_counters[key]
+
+    def backend_healthy(self, inference_server_id: str) -> None:
+        """A health probe succeeded: a backend demoted by a connection failure is routable again."""
+        self.demoted.discard(inference_server_id)
+
+    def resolve_algorithm(self, request: ProxyRequest) -> AlgorithmSpec:
+        """§1.3 steps 2-3: the algorithm for this request, or a bare 400."""
+        header = None
+        if request.routing_method is not None:
+            try:
+                header = parse_algorithm_header(request.routing_method)
+            except UnknownAlgorithm:
+                raise ContractError(400) from None
+        try:
+            spec = resolve(self._lb_config, request.model_id, header)
+        except AlgorithmUnavailable:
+            raise ContractError(400) from None
+        if spec.require_cache_affinity_key and request.cache_affinity_key is None:
+            raise ContractError(400)
+        return spec
+
+    async def forward(
+        self, request: ProxyRequest, spec: AlgorithmSpec, body: bytes
+    ) -> Forwarded | LocalError:
+        """Route and attempt until a final response (or local error) for `request`."""
+        target = RoutingTargetKey(request.routing_key, request.model_id)
+        labels = {"model": request.model_id, "routing_key": request.routing_key or ""}
+        routing_request = RoutingRequest(
+            model_id=request.model_id,
+            input_tokens=request.input_tokens,
+            priority=request.priority,
+            cache_affinity_key=request.cache_affinity_key,
+            request_slo_ms=request.request_slo_ms,
+        )
+        start = trio.current_time()
+        wait_deadline = None if request.max_wait_ms is None else start + request.max_wait_ms / 1000
+        budget_deadline = (
+            None if request.retry_budget_ms is None else start + request.retry_budget_ms / 1000
+        )
+        state = _Attempts(failed_backends=set(), failed_clusters=set())
+        first_selection = True
+        while True:
+            snapshot = self._routing.snapshot(target)
+            clusters = snapshot.clusters if snapshot is not None else ()
+            eligible = [c for c in clusters if c.cluster_id not in state.failed_clusters]
+            choice = (
+                self._balancers.choose(
+                    target, spec, clusters, routing_request, state.failed_clusters
+                )
+                if eligible
+                else None
+            )
+            if first_selection:
+                first_selection = False
+                self._metrics.routing_duration.labels(**labels).observe(trio.current_time() - start)
+            if choice is None:
+                now = trio.current_time()
+                if eligible and wait_deadline is not None and now < wait_deadline:
+                    await trio.sleep(min(wait_deadline - now, self._rng.uniform(0.001, 0.009)))
+                    continue
+                if (
+                    not clusters
+                    and not self._routing.is_advertised(target)
+                    and not (state.failed_any and not self.demoted)
+                ):
+                    return LocalError(NO_ELIGIBLE_CANDIDATES)
+                if state.failed_any:
+                    self._metrics.retry_exhausted.labels(
+                        reason="no_eligible_backend", **labels
+                    ).inc()
+                return LocalError(ContractError(503))
+            selection = "primary" if choice.rank_depth <= 1 else "fallback"
+            self._metrics.selections.labels(
+                algorithm=spec.name, selection=selection, **labels
+            ).inc()
+            outcome = await self._attempt_cluster(
+                choice.cluster, target, request, body, state, budget_deadline, labels, start
+            )
+            if outcome is not None:
+                return outcome
+            # None: the cluster failed for this request; choose again with it excluded.
+
+    async def _attempt_cluster(
+        self,
+        cluster: ClusterSnapshot,
+        target: RoutingTargetKey,
+        request: ProxyRequest,
+        body: bytes,
+        state: _Attempts,
+        budget_deadline: float | None,
+        labels: dict[str, str],
+        start: float,
+    ) -> Forwarded | LocalError | None:
+        """Attempts on backends of one cluster; None when the whole cluster failed."""
+        while True:
+            counter_key = (target, cluster.cluster_id)
+            counter = self._backend_counters.get(counter_key, 0)
+            self._backend_counters[counter_key] = counter + 1
+            excluded = (
+                state.failed_backends | self.demoted if self.demoted else state.failed_backends
+            )
+            backend = choose_backend(cluster, counter, excluded)
+            if backend is None:
+                state.failed_clusters.add(cluster.cluster_id)
+                return None
+            server_labels = {"inference_server_id": backend.inference_server_id, **labels}
+            headers = _attempt_headers(request.headers, cluster, request.priority)
+            url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
+            self._metrics.replay_buffer_bytes.labels(model=request.model_id).observe(len(body))
+            try:
+                response = await self._pool.request("POST", url, headers, body)
+            except UpstreamError as error:
+                self._metrics.attempts.labels(result="proxy_502", **server_labels).inc()
+                log.warning(
+                    "upstream attempt failed: request_id=%s backend=%s error=%s",
+                    request.request_id,
+                    backend.inference_server_id,
+                    error,
+                )
+                if isinstance(error, ConnectError):
+                    self.demoted.add(backend.inference_server_id)
+                if _expired(budget_deadline):
+                    self._metrics.retry_exhausted.labels(
+                        reason="retry_budget_exhausted", **labels
+                    ).inc()
+                    return LocalError(ContractError(502))
+                if state.connect_retries >= self._config.max_connect_retries:
+                    self._metrics.retry_exhausted.labels(
+                        reason="connect_retries_exhausted", **labels
+                    ).inc()
+                    return LocalError(ContractError(502))
+                state.connect_retries += 1
+                self._metrics.retries.labels(reason="connect_failover", **labels).inc()
+                state.failed_backends.add(backend.inference_server_id)
+                continue  # a sibling first, then another cluster
+            self._metrics.attempts.labels(
+                result=f"upstream_{response.status}", **server_labels
+            ).inc()
+            self._metrics.duration.labels(**server_labels).observe(trio.current_time() - start)
+            reason = self._retry_reason(response)
+            if reason is None:
+                return Forwarded(response, backend)
+            if _expired(budget_deadline):
+                self._metrics.retry_exhausted.labels(
+                    reason="retry_budget_exhausted", **labels
+                ).inc()
+                return Forwarded(response, backend)
+            if state.request_retries >= self._config.max_request_retries:
+                self._metrics.retry_exhausted.labels(reason=reason, **labels).inc()
+                return Forwarded(response, backend)
+            state.request_retries += 1
+            self._metrics.retries.labels(reason=reason, **labels).inc()
+            await response.aclose()
+            if reason == QUEUE_ESTIMATE_MISMATCH:
+                state.failed_backends.add(backend.inference_server_id)
+                continue
+            state.failed_clusters.add(cluster.cluster_id)
+            return None
+
+    def _retry_reason(self, response: UpstreamResponse) -> str | None:
+        """The retry reason if `response` is a retry candidate (§2.5.2), else None."""
+        if response.status not in RETRYABLE_STATUSES:
+            return None
+        signal = first_header(response.headers, b"x-stargate-retryable")
+        if signal is None:
+            if self._config.require_pylon_retry_signal:
+                return None
+        elif signal.strip().lower() != b"true":
+            return None
+        raw = first_header(response.headers, b"x-stargate-retry-reason")
+        reason = raw.decode("latin-1").strip() if raw else ""
+        return reason or DEFAULT_RETRY_REASON
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and trio.current_time() >= deadline
+
+
+def _attempt_headers(headers: Headers, cluster: ClusterSnapshot, priority: int) -> Headers:
+    """The request's filtered headers plus this attempt's expected queue time, if known."""
+    estimate = expected_queue_ms(cluster, priority)
+    if estimate is None:
+        return headers
+    return [*headers, (b"x-stargate-expected-queue-ms", str(estimate).encode())]

@@ -1,0 +1,347 @@
+"""Load balancers: a pure choice of one cluster from a target's snapshot (data-plane spec §3).
+
+Nothing here does I/O or reads a clock. A balancer gets the target's cluster snapshots, the
+request's routing inputs and the clusters this request has already failed, and returns a
+`Choice` or None ("nothing choosable now"). Only round-robin keeps state (its counter); every
+instance belongs to one (target, algorithm definition) pair, owned by
+`stargate.routing.lb_config.BalancerRegistry` (§3.4).
+
+Scores (§3.5) are plain functions of one cluster snapshot and the request, lower is better:
+
+* `input_tps` is `last_mean_input_tps` when finite and positive, else 0 (no capacity);
+* `delay(work, rate)` is 0 for no work, +inf for no rate, else work / rate (seconds);
+* `queue_delay_ms` uses the published per-priority estimate (largest priority key <= the
+  request's priority; 0 if none) when the cluster publishes any, else the queued input work;
+* `ttft_ms` = RTT + queue delay + prefill delay of the request's own input tokens.
+
+The per-cluster backend round robin (§2.2) is `choose_backend`; its counter belongs to the
+caller, since it is shared by every algorithm and request for the cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from stargate.routing.state import BackendSnapshot, ClusterSnapshot
+from stargate.routing.stats import ModelStats
+
+__all__ = [
+    "COMPARATORS",
+    "DEFAULT_COMPARATOR",
+    "DEFAULT_SAMPLE_COUNT",
+    "MAX_SAMPLE_COUNT",
+    "Choice",
+    "Comparator",
+    "LoadBalancer",
+    "PowerOfN",
+    "RandomChoice",
+    "RoundRobin",
+    "RoutingRequest",
+    "choose_backend",
+    "delay",
+    "expected_queue_ms",
+    "input_tps",
+    "input_work_seconds",
+    "num_requests_queued",
+    "priority_queue_estimate_ms",
+    "queue_delay_ms",
+    "queue_time_delta_ms",
+    "ttft_ms",
+    "utilization",
+    "valid_input_tps",
+]
+
+DEFAULT_SAMPLE_COUNT: Final = 2
+MAX_SAMPLE_COUNT: Final = 64
+DEFAULT_COMPARATOR: Final = "ttft"
+_U64_MAX: Final = 2**64 - 1
+_U64_MAX_AS_FLOAT: Final = float(2**64)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What a balancer may know about one request (all parsed from headers, §1.3)."""
+
+    model_id: str
+    input_tokens: int
+    priority: int = 0
+    cache_affinity_key: str | None = None
+    request_slo_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A balancer's pick. `rank_depth` 1 means a primary selection (metric `selection=primary`);
+    every algorithm implemented here reports 1."""
+
+    cluster: ClusterSnapshot
+    rank_depth: int = 1
+
+
+# ---- scores (§3.5) ------------------------------------------------------------------------------
+
+
+def valid_input_tps(value: float) -> bool:
+    """A usable `last_mean_input_tps`: finite and positive."""
+    return math.isfinite(value) and value > 0.0
+
+
+def input_tps(stats: ModelStats) -> float:
+    """The cluster's input capacity in tokens per second; 0 when the published value is not
+    finite and positive."""
+    tps = stats.last_mean_input_tps
+    return tps if valid_input_tps(tps) else 0.0
+
+
+def delay(work: float, rate: float) -> float:
+    """Seconds to process `work` at `rate`: 0 without work (whatever the rate), +inf without a
+    positive rate."""
+    if work == 0:
+        return 0.0
+    if rate <= 0.0:
+        return math.inf
+    return work / rate
+
+
+def priority_queue_estimate_ms(stats: ModelStats, priority: int) -> int | None:
+    """The published queue estimate for `priority`: the entry with the largest priority key
+    <= `priority`, 0 if the map is non-empty but has no such key, None if no map is published."""
+    entries = stats.queue_time_estimate_ms_by_priority
+    if not entries:
+        return None
+    best_key: int | None = None
+    best_ms = 0
+    for key, ms in entries:
+        if key <= priority and (best_key is None or key > best_key):
+            best_key, best_ms = key, ms
+    return best_ms
+
+
+def queue_time_delta_ms(input_tokens: int, last_mean_input_tps: float) -> int | None:
+    """ceil(tokens / tps * 1000) ms; 0 for no tokens; None when the TPS is not usable or the
+    result is not representable as a u64."""
+    if input_tokens == 0:
+        return 0
+    if not valid_input_tps(last_mean_input_tps):
+        return None
+    raw = input_tokens / last_mean_input_tps * 1000.0
+    if not math.isfinite(raw) or not 0.0 <= raw <= _U64_MAX_AS_FLOAT:
+        return None
+    return min(math.ceil(raw), _U64_MAX)  # Rust's saturating float-to-u64 cast
+
+
+def expected_queue_ms(cluster: ClusterSnapshot, priority: int) -> int | None:
+    """The `x-stargate-expected-queue-ms` value for one attempt (§2.4, §3.5), or None to omit it.
+
+    The per-priority rule when the cluster publishes a map (no matching entry gives 0, not
+    None), else the queued input work at the published TPS.
+    """
+    estimate = priority_queue_estimate_ms(cluster.stats, priority)
+    if estimate is not None:
+        return estimate
+    return queue_time_delta_ms(cluster.stats.queued_input_size, cluster.stats.last_mean_input_tps)
+
+
+def queue_delay_ms(cluster: ClusterSnapshot, request: RoutingRequest) -> float:
+    """Priority-aware queue delay in ms (the `queue-time` comparator)."""
+    estimate = priority_queue_estimate_ms(cluster.stats, request.priority)
+    if estimate is not None:
+        return float(estimate)
+    return delay(cluster.stats.queued_input_size, input_tps(cluster.stats)) * 1000.0
+
+
+def ttft_ms(cluster: ClusterSnapshot, request: RoutingRequest) -> float:
+    """Estimated time to first token in ms: RTT + queue delay + prefill of the request's input
+    (the `ttft` comparator)."""
+    prefill_ms = delay(request.input_tokens, input_tps(cluster.stats)) * 1000.0
+    return cluster.rtt_seconds * 1000.0 + queue_delay_ms(cluster, request) + prefill_ms
+
+
+def input_work_seconds(cluster: ClusterSnapshot, request: RoutingRequest) -> float:
+    """(queued input + the request's input) / TPS, in seconds (`input-work-seconds`)."""
+    work = cluster.stats.queued_input_size + request.input_tokens
+    return delay(work, input_tps(cluster.stats))
+
+
+def utilization(cluster: ClusterSnapshot, request: RoutingRequest | None = None) -> float:
+    """Running queries over max(max_engine_concurrency, 1) (`utilization`)."""
+    stats = cluster.stats
+    return stats.num_running_queries / max(stats.max_engine_concurrency, 1)
+
+
+def num_requests_queued(cluster: ClusterSnapshot, request: RoutingRequest | None = None) -> int:
+    """The queue length, compared as an integer (`num-requests-queued`)."""
+    return cluster.stats.queue_size
+
+
+Comparator = Callable[[ClusterSnapshot, RoutingRequest], float]
+
+COMPARATORS: Final[Mapping[str, Comparator]] = {
+    "ttft": ttft_ms,
+    "queue-time": queue_delay_ms,
+    "input-work-seconds": input_work_seconds,
+    "utilization": utilization,
+    "num-requests-queued": num_requests_queued,
+}
+
+
+def _order_key(score: float) -> tuple[bool, float]:
+    """Total order for scores, lowest first; NaN (never expected) sorts after +inf."""
+    return (True, 0.0) if math.isnan(score) else (False, score)
+
+
+# ---- balancers (§3.6) ---------------------------------------------------------------------------
+
+
+class LoadBalancer(Protocol):
+    """One algorithm instance for one (target, algorithm definition)."""
+
+    @property
+    def name(self) -> str:
+        """The canonical algorithm name (metric label `algorithm`)."""
+        ...
+
+    def choose(
+        self,
+        clusters: Sequence[ClusterSnapshot],
+        request: RoutingRequest,
+        excluded: AbstractSet[str],
+    ) -> Choice | None:
+        """Pick one cluster whose id is not in `excluded`, or None if none is choosable."""
+        ...
+
+
+def _eligible(
+    clusters: Sequence[ClusterSnapshot], excluded: AbstractSet[str]
+) -> Sequence[ClusterSnapshot]:
+    if not excluded:
+        return clusters
+    return [cluster for cluster in clusters if cluster.cluster_id not in excluded]
+
+
+class RoundRobin:
+    """Counter mod #eligible over the non-excluded clusters in list order.
+
+    The counter advances only when a cluster is chosen (not when everything is excluded).
+    """
+
+    __slots__ = ("_counter",)
+
+    name: Final = "round-robin"
+
+    def __init__(self) -> None:
+        self._counter = 0
+
+    def choose(
+        self,
+        clusters: Sequence[ClusterSnapshot],
+        request: RoutingRequest,
+        excluded: AbstractSet[str],
+    ) -> Choice | None:
+        eligible = _eligible(clusters, excluded)
+        if not eligible:
+            return None
+        index = self._counter % len(eligible)
+        self._counter += 1
+        return Choice(eligible[index])
+
+
+class RandomChoice:
+    """Uniform over the non-excluded clusters."""
+
+    __slots__ = ("_rng",)
+
+    name: Final = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
+
+    def choose(
+        self,
+        clusters: Sequence[ClusterSnapshot],
+        request: RoutingRequest,
+        excluded: AbstractSet[str],
+    ) -> Choice | None:
+        eligible = _eligible(clusters, excluded)
+        if not eligible:
+            return None
+        return Choice(eligible[self._rng.randrange(len(eligible))])
+
+
+class PowerOfN:
+    """Sample min(n, #eligible) distinct eligible clusters uniformly; the lowest comparator
+    score wins; exact ties are broken uniformly at random."""
+
+    __slots__ = ("_rng", "_score", "comparator", "sample_count")
+
+    name: Final = "power-of-n"
+
+    def __init__(
+        self,
+        sample_count: int = DEFAULT_SAMPLE_COUNT,
+        comparator: str = DEFAULT_COMPARATOR,
+        rng: random.Random | None = None,
+    ) -> None:
+        if isinstance(sample_count, bool) or not 1 <= sample_count <= MAX_SAMPLE_COUNT:
+            raise ValueError(
+                f"power-of-n sample_count must be between 1 and {MAX_SAMPLE_COUNT}, "
+                f"got {sample_count}"
+            )
+        score = COMPARATORS.get(comparator)
+        if score is None:
+            raise ValueError(
+                f"unknown comparator {comparator!r}; expected one of {', '.join(COMPARATORS)}"
+            )
+        self.sample_count = sample_count
+        self.comparator = comparator
+        self._score = score
+        self._rng = rng if rng is not None else random.Random()
+
+    def choose(
+        self,
+        clusters: Sequence[ClusterSnapshot],
+        request: RoutingRequest,
+        excluded: AbstractSet[str],
+    ) -> Choice | None:
+        eligible = _eligible(clusters, excluded)
+        if not eligible:
+            return None
+        if self.sample_count >= len(eligible):
+            sampled: Sequence[ClusterSnapshot] = eligible
+        else:
+            sampled = self._rng.sample(eligible, self.sample_count)
+        best: list[ClusterSnapshot] = []
+        best_key: tuple[bool, float] | None = None
+        for cluster in sampled:
+            key = _order_key(self._score(cluster, request))
+            if best_key is None or key < best_key:
+                best, best_key = [cluster], key
+            elif key == best_key:
+                best.append(cluster)
+        chosen = best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
+        return Choice(chosen)
+
+
+# ---- backend inside a cluster (§2.2) ------------------------------------------------------------
+
+
+def choose_backend(
+    cluster: ClusterSnapshot, counter: int, failed_backend_ids: AbstractSet[str]
+) -> BackendSnapshot | None:
+    """Round robin over the cluster's backends (stable id order) not yet failed by this request.
+
+    `counter` is the cluster's shared selection counter, taken (then incremented) by the caller
+    for every selection. None when every backend has failed: the caller then fails the cluster.
+    """
+    if failed_backend_ids:
+        unfailed = [b for b in cluster.backends if b.inference_server_id not in failed_backend_ids]
+    else:
+        unfailed = list(cluster.backends)
+    if not unfailed:
+        return None
+    return unfailed[counter % len(unfailed)]

@@ -1,0 +1,645 @@
+"""The load-balancer configuration file, `x-routing-method` resolution and LB instance lifetime.
+
+Data-plane spec §3.2-§3.4. The file is JSON, read once at startup:
+
+    {"default": "power-of-n",
+     "request_algorithms": {"round-robin": "round-robin"},
+     "models": {"my-model": {"algorithm": "power-of-n", "sample_count": 4,
+                             "request_algorithms": {"random": "random"}}}}
+
+Every name in the file is case-sensitive kebab-case (or one of the §3.2 aliases); only the
+header parser (`parse_algorithm_header`) lowercases and maps `_` to `-`. All six upstream
+algorithms are recognised, but only power-of-n, round-robin and random are implemented yet
+(project decision 6): any of the other three in a position that can be selected (the
+`default`, a `models` entry, a `request_algorithms` entry) fails at startup. Entries nested in
+a `request_algorithms` entry's own `request_algorithms` are parsed (so their errors still fail
+startup, as upstream) but never used, so they may name any algorithm.
+
+Parsing is two-phase, like upstream (deserialise, then build the router): every structural
+error in the file (unknown field, bad type, bad `sample_count`…) is reported before any
+semantic one (`request_algorithms` key mismatch, unimplemented algorithm). Every error message
+starts with the dotted path of the offending key, e.g.
+`models.my-model.sample_count: power-of-n sample_count must be between 1 and 64, got 0`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from os import PathLike
+from types import MappingProxyType
+from typing import Final, cast
+
+from stargate.routing.balancers import (
+    COMPARATORS,
+    DEFAULT_COMPARATOR,
+    DEFAULT_SAMPLE_COUNT,
+    MAX_SAMPLE_COUNT,
+    Choice,
+    LoadBalancer,
+    PowerOfN,
+    RandomChoice,
+    RoundRobin,
+    RoutingRequest,
+)
+from stargate.routing.state import ClusterSnapshot
+
+__all__ = [
+    "ALGORITHMS",
+    "IMPLEMENTED_ALGORITHMS",
+    "POWER_OF_N",
+    "PULSAR",
+    "PULSAR_WAIT_AND_WIDEN",
+    "RANDOM",
+    "ROUND_ROBIN",
+    "WAIT_AND_WIDEN",
+    "AlgorithmSpec",
+    "AlgorithmUnavailable",
+    "BalancerRegistry",
+    "LbConfig",
+    "LbConfigError",
+    "ModelEntry",
+    "UnknownAlgorithm",
+    "create_balancer",
+    "default_lb_config",
+    "load_lb_config",
+    "not_implemented_message",
+    "parse_algorithm_header",
+    "parse_algorithm_name",
+    "parse_lb_config",
+    "resolve",
+]
+
+POWER_OF_N: Final = "power-of-n"
+WAIT_AND_WIDEN: Final = "wait-and-widen"
+ROUND_ROBIN: Final = "round-robin"
+RANDOM: Final = "random"
+PULSAR: Final = "pulsar"
+PULSAR_WAIT_AND_WIDEN: Final = "pulsar-wait-and-widen"
+
+ALGORITHMS: Final = (POWER_OF_N, WAIT_AND_WIDEN, ROUND_ROBIN, RANDOM, PULSAR, PULSAR_WAIT_AND_WIDEN)
+IMPLEMENTED_ALGORITHMS: Final = frozenset({POWER_OF_N, ROUND_ROBIN, RANDOM})
+
+# Name (exactly as written in the file) -> canonical name.
+_NAMES: Final[Mapping[str, str]] = {
+    **{name: name for name in ALGORITHMS},
+    "power-of-two": POWER_OF_N,
+    "powerOf2": POWER_OF_N,
+    "powerOfN": POWER_OF_N,
+    "powerof2": POWER_OF_N,
+    "powerofn": POWER_OF_N,
+    "groq-multiregion": WAIT_AND_WIDEN,
+    "pulsar-multiregion": PULSAR_WAIT_AND_WIDEN,
+}
+
+_TOP_LEVEL_FIELDS: Final = ("default", "request_algorithms", "models")
+
+
+def not_implemented_message(name: str) -> str:
+    return f"{name} is not implemented yet; use power-of-n, round-robin or random"
+
+
+class LbConfigError(ValueError):
+    """The load-balancer config is invalid; the message starts with the offending key path."""
+
+
+class UnknownAlgorithm(ValueError):
+    """An `x-routing-method` value that is blank or names no algorithm (HTTP 400)."""
+
+    reason: Final = "unknown"
+
+    def __init__(self, raw: str) -> None:
+        super().__init__(
+            "x-routing-method is blank" if not raw else f"unknown routing method {raw!r}"
+        )
+        self.raw = raw
+
+
+class AlgorithmUnavailable(ValueError):
+    """A known `x-routing-method` that the configuration does not allow for the model (400)."""
+
+    reason: Final = "unavailable"
+
+    def __init__(self, algorithm: str, model_id: str) -> None:
+        super().__init__(f"routing method {algorithm} is not available for model {model_id!r}")
+        self.algorithm = algorithm
+        self.model_id = model_id
+
+
+# ---- names --------------------------------------------------------------------------------------
+
+
+def parse_algorithm_name(value: str) -> str:
+    """The canonical name for a name written in the config file (case-sensitive, aliases
+    allowed). Raises ValueError for anything else."""
+    canonical = _NAMES.get(value)
+    if canonical is None:
+        raise ValueError(f"unknown algorithm {value!r}; expected one of {', '.join(ALGORITHMS)}")
+    return canonical
+
+
+_ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ_", "abcdefghijklmnopqrstuvwxyz-")
+
+
+def parse_algorithm_header(value: str) -> str:
+    """The canonical name for an `x-routing-method` value (§1.3): trimmed, ASCII-lowercased,
+    `_` mapped to `-`, then the file's names and aliases. Raises `UnknownAlgorithm` (a
+    ValueError) when blank or unknown; availability is `resolve`'s business."""
+    raw = value.strip()
+    canonical = _NAMES.get(raw.translate(_ASCII_LOWER))
+    if canonical is None:
+        raise UnknownAlgorithm(raw)
+    return canonical
+
+
+# ---- configuration values -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AlgorithmSpec:
+    """One algorithm definition: what a request resolves to, and half of an LB instance key.
+
+    `sample_count` and `comparator` are power-of-n settings; other algorithms ignore them and the
+    parser leaves them at their defaults, so equal definitions compare (and hash) equal.
+    """
+
+    name: str = POWER_OF_N
+    require_cache_affinity_key: bool = False
+    require_input_tokens: bool = False  # parsed, no HTTP effect (x-input-tokens is mandatory)
+    max_input_work_seconds: float | None = None
+    sample_count: int = DEFAULT_SAMPLE_COUNT
+    comparator: str = DEFAULT_COMPARATOR
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.name!r}")
+        if self.comparator not in COMPARATORS:
+            raise ValueError(f"unknown comparator {self.comparator!r}")
+        if isinstance(self.sample_count, bool) or not 1 <= self.sample_count <= MAX_SAMPLE_COUNT:
+            raise ValueError(_sample_count_message(self.sample_count))
+        if self.max_input_work_seconds is not None and not math.isfinite(
+            self.max_input_work_seconds
+        ):
+            raise ValueError("max_input_work_seconds must be a finite number")
+
+    @property
+    def implemented(self) -> bool:
+        return self.name in IMPLEMENTED_ALGORITHMS
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A `models` entry: the model's algorithm plus the overrides only this model may select."""
+
+    algorithm: AlgorithmSpec
+    request_algorithms: Mapping[str, AlgorithmSpec] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+
+@dataclass(frozen=True)
+class LbConfig:
+    """The whole load-balancer configuration (§3.2). `permissive` marks the no-file default."""
+
+    default: AlgorithmSpec = AlgorithmSpec()
+    request_algorithms: Mapping[str, AlgorithmSpec] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    models: Mapping[str, ModelEntry] = field(default_factory=lambda: MappingProxyType({}))
+    permissive: bool = False
+
+    def configured(self, model_id: str) -> AlgorithmSpec:
+        """The model's own algorithm: its `models` entry, else the default."""
+        entry = self.models.get(model_id)
+        return self.default if entry is None else entry.algorithm
+
+
+def default_lb_config() -> LbConfig:
+    """No `--lb-config-path`: power-of-n for every model, and every implemented algorithm
+    selectable by `x-routing-method` with default settings (upstream allows all six)."""
+    return LbConfig(
+        default=AlgorithmSpec(POWER_OF_N),
+        request_algorithms=MappingProxyType(
+            {name: AlgorithmSpec(name) for name in ALGORITHMS if name in IMPLEMENTED_ALGORITHMS}
+        ),
+        models=MappingProxyType({}),
+        permissive=True,
+    )
+
+
+def resolve(config: LbConfig, model_id: str, header_algorithm: str | None) -> AlgorithmSpec:
+    """The algorithm definition for one request (§3.3).
+
+    `header_algorithm` is the canonical name from `parse_algorithm_header`, or None when the
+    header is absent. The model's configured algorithm C (its `models` entry, else `default`)
+    answers an absent header and a header naming C itself (same definition, hence the same LB
+    instance). Any other algorithm A comes from the model's own `request_algorithms[A]`, then the
+    top-level `request_algorithms[A]`; otherwise `AlgorithmUnavailable`. The top-level `default`
+    is not implicitly selectable by a model configured with another algorithm.
+    """
+    entry = config.models.get(model_id)
+    configured = config.default if entry is None else entry.algorithm
+    if header_algorithm is None:
+        return configured
+    if header_algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"{header_algorithm!r} is not a canonical algorithm name; "
+            "parse the header with parse_algorithm_header first"
+        )
+    if header_algorithm == configured.name:
+        return configured
+    if entry is not None:
+        spec = entry.request_algorithms.get(header_algorithm)
+        if spec is not None:
+            return spec
+    spec = config.request_algorithms.get(header_algorithm)
+    if spec is not None:
+        return spec
+    raise AlgorithmUnavailable(header_algorithm, model_id)
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+
+_U64_MAX: Final = 2**64 - 1
+
+
+def _sample_count_message(value: object) -> str:
+    return f"power-of-n sample_count must be between 1 and {MAX_SAMPLE_COUNT}, got {value}"
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    return json.dumps(value) if isinstance(value, str | int | float) else repr(value)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+# Field checkers: (value, path) -> normalised value; raise LbConfigError.
+_Checker = Callable[[object, str], object]
+
+
+def _check_bool(value: object, path: str) -> object:
+    if value is None or isinstance(value, bool):
+        return value
+    raise LbConfigError(f"{path}: expected true or false, got {_describe(value)}")
+
+
+def _check_string(value: object, path: str) -> object:
+    if value is None or isinstance(value, str):
+        return value
+    raise LbConfigError(f"{path}: expected a string, got {_describe(value)}")
+
+
+def _check_unsigned(value: object, path: str) -> object:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64_MAX:
+        return value
+    raise LbConfigError(f"{path}: expected a non-negative integer, got {_describe(value)}")
+
+
+def _check_number(value: object, path: str) -> object:
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise LbConfigError(f"{path}: expected a finite number, got {_describe(value)}")
+
+
+def _check_comparator(value: object, path: str) -> object:
+    if isinstance(value, str) and value in COMPARATORS:
+        return value
+    raise LbConfigError(
+        f"{path}: unknown comparator {_describe(value)}; expected one of {', '.join(COMPARATORS)}"
+    )
+
+
+def _check_sample_count(value: object, path: str) -> object:
+    """Type only; the range is checked after every field's type, as upstream does."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise LbConfigError(f"{path}: expected an integer, got {_describe(value)}")
+    return value
+
+
+def _check_sample_count_range(value: object, path: str) -> None:
+    if not isinstance(value, int) or not 1 <= value <= MAX_SAMPLE_COUNT:
+        raise LbConfigError(f"{path}: {_sample_count_message(value)}")
+
+
+_COMMON_FIELDS: Final[Mapping[str, _Checker]] = {
+    "require_cache_affinity_key": _check_bool,
+    "require_input_tokens": _check_bool,
+    "max_input_work_seconds": _check_number,
+    # "request_algorithms" is common too; it is parsed separately.
+}
+
+_WAIT_AND_WIDEN_FIELDS: Final[Mapping[str, _Checker]] = {
+    "seed": _check_string,
+    "comparator": _check_comparator,
+    "cache_affinity_virtual_nodes": _check_unsigned,
+    "cache_affinity_backend_selection_count": _check_unsigned,
+    "max_queue_time_floor_ms": _check_unsigned,
+    "max_queue_time_ceil_ms": _check_unsigned,
+    "ttft_bucket_size_ms": _check_unsigned,
+    "next_bucket_unlock_factor": _check_number,
+    "n": _check_unsigned,
+    "max_queued": _check_unsigned,
+    "ignore_queue_time": _check_bool,
+    "ignore_input_processing_time": _check_bool,
+}
+
+_ALGORITHM_FIELDS: Final[Mapping[str, Mapping[str, _Checker]]] = {
+    POWER_OF_N: {"sample_count": _check_sample_count, "comparator": _check_comparator},
+    WAIT_AND_WIDEN: _WAIT_AND_WIDEN_FIELDS,
+    ROUND_ROBIN: {},
+    RANDOM: {},
+    PULSAR: {"seed": _check_string, "consider_kv_free_tokens": _check_bool},
+    PULSAR_WAIT_AND_WIDEN: {**_WAIT_AND_WIDEN_FIELDS, "consider_kv_free_tokens": _check_bool},
+}
+
+
+@dataclass
+class _Entry:
+    """Phase-1 result for one algorithm entry (name or detailed object)."""
+
+    path: str
+    spec: AlgorithmSpec
+    explicit_comparator: bool = False
+    # canonical algorithm -> (raw key, entry), from a detailed object's `request_algorithms`
+    request_algorithms: dict[str, tuple[str, _Entry]] = field(default_factory=dict)
+
+
+def _parse_name_at(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        raise LbConfigError(f"{path}: expected an algorithm name, got {_describe(value)}")
+    try:
+        return parse_algorithm_name(value)
+    except ValueError as error:
+        raise LbConfigError(f"{path}: {error}") from None
+
+
+def _parse_entry(value: object, path: str) -> _Entry:
+    if isinstance(value, str):
+        return _Entry(path, AlgorithmSpec(_parse_name_at(value, path)))
+    if not isinstance(value, dict):
+        raise LbConfigError(
+            f"{path}: load-balancer model config must be an algorithm name or detailed config "
+            f"object, got {_describe(value)}"
+        )
+    if "algorithm" not in value:
+        raise LbConfigError(f"{_join(path, 'algorithm')}: missing required field")
+    name = _parse_name_at(value["algorithm"], _join(path, "algorithm"))
+    specific = _ALGORITHM_FIELDS[name]
+    # Upstream's order: field types and nested entries (deserialisation), then the sample_count
+    # range, then unsupported fields.
+    settings: dict[str, object] = {}
+    for key, checker in (*_COMMON_FIELDS.items(), *specific.items()):
+        if key in value:
+            settings[key] = checker(value[key], _join(path, key))
+    nested = (
+        _parse_request_algorithms(value["request_algorithms"], _join(path, "request_algorithms"))
+        if "request_algorithms" in value
+        else {}
+    )
+    if "sample_count" in settings:
+        _check_sample_count_range(settings["sample_count"], _join(path, "sample_count"))
+    unsupported = sorted(
+        str(key)
+        for key in value
+        if key not in specific
+        and key not in _COMMON_FIELDS
+        and key not in ("algorithm", "request_algorithms")
+    )
+    if unsupported:
+        raise LbConfigError(
+            f"{path}: {name} config does not support field(s): {', '.join(unsupported)}"
+        )
+    power_of_n = name == POWER_OF_N
+    spec = AlgorithmSpec(
+        name,
+        require_cache_affinity_key=cast("bool | None", settings.get("require_cache_affinity_key"))
+        or False,
+        require_input_tokens=cast("bool | None", settings.get("require_input_tokens")) or False,
+        max_input_work_seconds=cast("float | None", settings.get("max_input_work_seconds")),
+        sample_count=cast("int", settings.get("sample_count", DEFAULT_SAMPLE_COUNT))
+        if power_of_n
+        else DEFAULT_SAMPLE_COUNT,
+        comparator=cast("str", settings.get("comparator", DEFAULT_COMPARATOR))
+        if power_of_n
+        else DEFAULT_COMPARATOR,
+    )
+    return _Entry(path, spec, explicit_comparator="comparator" in value, request_algorithms=nested)
+
+
+def _parse_request_algorithms(value: object, path: str) -> dict[str, tuple[str, _Entry]]:
+    if not isinstance(value, dict):
+        raise LbConfigError(f"{path}: expected an object, got {_describe(value)}")
+    parsed: dict[str, tuple[str, _Entry]] = {}
+    for raw_key, item in value.items():
+        key_path = _join(path, raw_key)
+        canonical = _parse_name_at(raw_key, key_path)
+        if canonical in parsed:
+            first_key = parsed[canonical][0]
+            raise LbConfigError(
+                f"{key_path}: duplicate entry for {canonical} (also given as {first_key})"
+            )
+        parsed[canonical] = (raw_key, _parse_entry(item, key_path))
+    return parsed
+
+
+def _check_selectable(entry: _Entry) -> AlgorithmSpec:
+    """Phase 2 for an entry that requests can be routed with (upstream's factory checks)."""
+    name = entry.spec.name
+    if name == PULSAR_WAIT_AND_WIDEN and entry.explicit_comparator:
+        raise LbConfigError(f"{entry.path}: comparator is not supported for {name}")
+    if name not in IMPLEMENTED_ALGORITHMS:
+        raise LbConfigError(f"{entry.path}: {not_implemented_message(name)}")
+    return entry.spec
+
+
+def _selectable_overrides(
+    overrides: Mapping[str, tuple[str, _Entry]],
+) -> Mapping[str, AlgorithmSpec]:
+    """Phase 2 for a usable `request_algorithms` map; nested maps inside it are dropped."""
+    result: dict[str, AlgorithmSpec] = {}
+    for canonical, (_raw_key, entry) in overrides.items():
+        if entry.spec.name != canonical:
+            raise LbConfigError(
+                f"{entry.path}: request_algorithms key {canonical} does not match configured "
+                f"algorithm {entry.spec.name}"
+            )
+        result[canonical] = _check_selectable(entry)
+    return MappingProxyType(result)
+
+
+def parse_lb_config(data: object) -> LbConfig:
+    """Validate a decoded JSON document (§3.2). Raises `LbConfigError` naming the bad key."""
+    if not isinstance(data, dict):
+        raise LbConfigError(
+            f"<root>: load-balancer config must be a JSON object, got {_describe(data)}"
+        )
+    for key in data:
+        if key not in _TOP_LEVEL_FIELDS:
+            raise LbConfigError(
+                f"{key}: unknown top-level field; expected one of {', '.join(_TOP_LEVEL_FIELDS)}"
+            )
+
+    # Phase 1: structure, names, field types and ranges, everywhere in the file.
+    if "default" in data:
+        default_value = data["default"]
+        if isinstance(default_value, dict):
+            raise LbConfigError(
+                "default: must be an algorithm name; the top-level default cannot carry "
+                "settings (configure them under models or request_algorithms)"
+            )
+        default = _Entry("default", AlgorithmSpec(_parse_name_at(default_value, "default")))
+    else:
+        default = _Entry("default", AlgorithmSpec(POWER_OF_N))
+    overrides = _parse_request_algorithms(data.get("request_algorithms", {}), "request_algorithms")
+    models_value = data.get("models", {})
+    if not isinstance(models_value, dict):
+        raise LbConfigError(f"models: expected an object, got {_describe(models_value)}")
+    models: dict[str, _Entry] = {}
+    for model_id, item in models_value.items():
+        if not isinstance(model_id, str):
+            raise LbConfigError(f"models: model ids must be strings, got {_describe(model_id)}")
+        models[model_id] = _parse_entry(item, _join("models", model_id))
+
+    # Phase 2: what can be selected must be implemented and consistent.
+    default_spec = _check_selectable(default)
+    request_algorithms = _selectable_overrides(overrides)
+    model_entries: dict[str, ModelEntry] = {}
+    for model_id, entry in models.items():
+        model_entries[model_id] = ModelEntry(
+            algorithm=_check_selectable(entry),
+            request_algorithms=_selectable_overrides(entry.request_algorithms),
+        )
+    return LbConfig(
+        default=default_spec,
+        request_algorithms=request_algorithms,
+        models=MappingProxyType(model_entries),
+        permissive=False,
+    )
+
+
+class _StrictJsonError(ValueError):
+    """Valid for Python's json module, not for a strict JSON parser (upstream's serde_json)."""
+
+
+def _reject_constant(name: str) -> object:
+    raise _StrictJsonError(f"{name} is not a JSON value")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _StrictJsonError(f"duplicate key {key!r} in an object")
+        result[key] = value
+    return result
+
+
+def load_lb_config(path: str | PathLike[str]) -> LbConfig:
+    """Read and validate `--lb-config-path`. Errors are `LbConfigError`s prefixed with the file
+    name: unreadable file, invalid JSON (NaN/Infinity and duplicate keys included), or any
+    `parse_lb_config` error."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise LbConfigError(f"{path}: cannot read load-balancer config: {reason}") from error
+    try:
+        data = json.loads(
+            text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys
+        )
+    except json.JSONDecodeError as error:
+        raise LbConfigError(
+            f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}"
+        ) from error
+    except _StrictJsonError as error:
+        raise LbConfigError(f"{path}: invalid JSON: {error}") from error
+    try:
+        return parse_lb_config(data)
+    except LbConfigError as error:
+        raise LbConfigError(f"{path}: {error}") from error
+
+
+# ---- LB instances (§3.4) ------------------------------------------------------------------------
+
+
+def create_balancer(spec: AlgorithmSpec, rng: random.Random | None = None) -> LoadBalancer:
+    """A fresh LB instance for one definition. `rng` makes random choices reproducible."""
+    if spec.name == POWER_OF_N:
+        return PowerOfN(spec.sample_count, spec.comparator, rng=rng)
+    if spec.name == ROUND_ROBIN:
+        return RoundRobin()
+    if spec.name == RANDOM:
+        return RandomChoice(rng=rng)
+    raise NotImplementedError(not_implemented_message(spec.name))
+
+
+class BalancerRegistry:
+    """LB instances per (target, algorithm definition), created lazily on first use (§3.4).
+
+    `target` is any hashable key for the routing target (the routing state's
+    `RoutingTargetKey`). The routing state drops a target when its last backend goes; call
+    `forget(target)` then, so a recreated target starts with fresh LB state (round-robin
+    counters restart). Equal definitions share an instance, so an override naming the model's
+    configured algorithm uses the configured instance.
+    """
+
+    __slots__ = ("_factory", "_instances")
+
+    def __init__(self, factory: Callable[[AlgorithmSpec], LoadBalancer] = create_balancer) -> None:
+        self._factory = factory
+        self._instances: dict[Hashable, dict[AlgorithmSpec, LoadBalancer]] = {}
+
+    def get(self, target: Hashable, spec: AlgorithmSpec) -> LoadBalancer:
+        """The instance for (target, spec), created on first use."""
+        per_target = self._instances.get(target)
+        if per_target is None:
+            per_target = self._instances[target] = {}
+        balancer = per_target.get(spec)
+        if balancer is None:
+            balancer = per_target[spec] = self._factory(spec)
+        return balancer
+
+    def choose(
+        self,
+        target: Hashable,
+        spec: AlgorithmSpec,
+        clusters: Sequence[ClusterSnapshot],
+        request: RoutingRequest,
+        excluded: AbstractSet[str],
+    ) -> Choice | None:
+        """Choose with the (target, spec) instance; no instance is created without candidates."""
+        if not clusters:
+            return None
+        return self.get(target, spec).choose(clusters, request, excluded)
+
+    def forget(self, target: Hashable) -> None:
+        """Drop every instance of `target` (it emptied); a no-op for an unknown target."""
+        self._instances.pop(target, None)
+
+    def instance_count(self, target: Hashable | None = None) -> int:
+        """Live instances, for one target or overall (for tests and debugging)."""
+        if target is not None:
+            return len(self._instances.get(target, ()))
+        return sum(len(per_target) for per_target in self._instances.values())
+
+    def targets(self) -> list[Hashable]:
+        return list(self._instances)
