@@ -473,3 +473,12 @@ def _configure_logging(level: str) -> None:
     )
     # One line per backend health probe would drown everything else.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _register_subcommands() -> None:
+    from stargate.mock.cli import mock_backend_command
+
+    main.add_command(mock_backend_command)
+
+
+_register_subcommands()

@@ -102,3 +102,51 @@ class Ports:
             f"--model-discovery-listen-addr=127.0.0.1:{self.discovery}",
             f"--metrics-port={self.metrics}",
         ]
+
+
+@dataclass
+class MockBackendProcess:
+    """A `stargate mock-backend` subprocess on a loopback port."""
+
+    process: subprocess.Popen[str]
+    url: str
+
+    def control(self, **knobs: object) -> None:
+        response = httpx.post(f"{self.url}/test-control", json=knobs, timeout=5)
+        response.raise_for_status()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def launch_mock_backend(*args: str) -> MockBackendProcess:
+    """Start `python -m stargate mock-backend --port 0 ARGS...` and wait for its port."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stargate",
+            "mock-backend",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith("listening on "):
+        process.kill()
+        raise AssertionError(f"mock backend did not start: {line!r}")
+    return MockBackendProcess(process, line.split()[-1])

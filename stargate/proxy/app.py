@@ -117,7 +117,8 @@ class ProxyApp:
                 (b"x-inference-server-url", backend.url.encode()),
                 (b"x-stargate-cluster-id", backend.cluster_id.encode()),
             ]
-            if request.generated_request_id:
+            if request.generated_request_id:  # ours, whatever the upstream echoed
+                headers = [h for h in headers if h[0] != b"x-request-id"]
                 headers.append((b"x-request-id", request.request_id.encode()))
             await send(
                 {"type": "http.response.start", "status": response.status, "headers": headers}

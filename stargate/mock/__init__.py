@@ -1,0 +1,18 @@
+"""A mock OpenAI-compatible inference server (`stargate mock-backend`) for demos, tests and
+benchmarks: deterministic answers, streaming and not, with latencies, failures and dropped
+streams controllable at run time through `/test-control`."""
+
+from stargate.mock.app import DroppedConnection, MockBackend, MockBackendConfig
+from stargate.mock.cli import mock_backend_command, run_mock_backend
+from stargate.mock.control import DropMidStream, FailNext, Knobs
+
+__all__ = [
+    "DropMidStream",
+    "DroppedConnection",
+    "FailNext",
+    "Knobs",
+    "MockBackend",
+    "MockBackendConfig",
+    "mock_backend_command",
+    "run_mock_backend",
+]

@@ -1,0 +1,223 @@
+"""`stargate mock-backend`: run the mock OpenAI-compatible inference server.
+
+`run_mock_backend` serves one `MockBackend` with Hypercorn's trio worker on a pre-bound socket
+(the same machinery as the replica's listeners); `mock_backend_command` is the click command the
+main `stargate` group registers. SIGTERM or SIGINT stops accepting connections and lets in-flight
+requests finish (for at most `SHUTDOWN_GRACE_SECONDS`); a second signal exits at once. Both exit 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import click
+import trio
+
+from stargate.config import ListenAddress
+from stargate.mock.app import MockBackend, MockBackendConfig, drop_filter
+
+__all__ = ["SHUTDOWN_GRACE_SECONDS", "mock_backend_command", "run_mock_backend"]
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _server_error_log() -> logging.Logger:
+    """Hypercorn's error log for the mock, without the tracebacks of deliberate stream drops."""
+    logger = logging.getLogger("stargate.mock.server")
+    logger.addFilter(drop_filter)  # idempotent
+    return logger
+
+
+async def run_mock_backend(
+    config: MockBackendConfig,
+    *,
+    app: MockBackend | None = None,
+    shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Bind `config.host:config.port`, report the bound port with `task_status.started(port)`,
+    and serve until cancelled.
+
+    With `shutdown_trigger`, returning from it starts a graceful stop: no new connections,
+    in-flight requests get `SHUTDOWN_GRACE_SECONDS` to finish. `app` lets a caller keep a handle
+    on the served `MockBackend` (one is created from `config` otherwise). Raises
+    `stargate.runtime.StartupError` if the address cannot be bound.
+    """
+    # Imported here so that `stargate --help` does not pay for the replica's imports.
+    from stargate.runtime import _hypercorn_config, bind_listener, serve_asgi
+
+    backend = app if app is not None else MockBackend(config)
+    sock = bind_listener("mock backend", ListenAddress(config.host, config.port))
+    try:
+        port: int = sock.getsockname()[1]
+        server_config = _hypercorn_config(SHUTDOWN_GRACE_SECONDS)
+        server_config.errorlog = _server_error_log()
+        trigger = shutdown_trigger if shutdown_trigger is not None else trio.sleep_forever
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_asgi, backend, sock, server_config, trigger)
+            log.info("mock backend listening on %s", ListenAddress(config.host, port))
+            task_status.started(port)
+    finally:
+        sock.close()
+
+
+async def _watch_signals(
+    signals: AsyncIterator[int], stop: trio.Event, cancel_scope: trio.CancelScope
+) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if not stop.is_set():
+            log.info("received %s, finishing in-flight requests", name)
+            stop.set()
+        else:
+            log.info("received %s again, exiting now", name)
+            cancel_scope.cancel()
+            return
+
+
+async def _serve_until_signalled(config: MockBackendConfig) -> int:
+    from stargate.runtime import StartupError
+
+    stop = trio.Event()
+    code = 0
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_signals, signals, stop, nursery.cancel_scope)
+                port = await nursery.start(_serve, config, stop, nursery.cancel_scope)
+                print(f"listening on http://{ListenAddress(config.host, port)}", flush=True)
+        except* StartupError as group:
+            for error in group.exceptions:
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            code = 1
+    return code
+
+
+async def _serve(
+    config: MockBackendConfig,
+    stop: trio.Event,
+    cancel_scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await run_mock_backend(config, shutdown_trigger=stop.wait, task_status=task_status)
+    cancel_scope.cancel()  # served and drained: stop watching for signals
+
+
+def _option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:
+    return click.option(*names, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+
+
+def _ip_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    text = value.strip().removeprefix("[").removesuffix("]")
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an IP address", ctx, param) from None
+
+
+def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeatable, and each value may also be comma-separated; duplicates are dropped."""
+    models = [item.strip() for raw in value for item in raw.split(",") if item.strip()]
+    if not models:
+        raise click.BadParameter("at least one model ID is required", ctx, param)
+    return tuple(dict.fromkeys(models))
+
+
+@click.command(
+    "mock-backend",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@_option(
+    "--host",
+    envvar="STARGATE_MOCK_HOST",
+    default="127.0.0.1",
+    callback=_ip_address,
+    help="IP address to listen on (0.0.0.0 or :: for every interface).",
+)
+@_option(
+    "--port",
+    envvar="STARGATE_MOCK_PORT",
+    type=click.IntRange(min=0, max=65535),
+    default=8001,
+    help="TCP port to listen on; 0 picks a free one. The bound address is printed to stdout as "
+    "`listening on http://HOST:PORT` once the server accepts connections.",
+)
+@_option(
+    "--model",
+    "models",
+    envvar="STARGATE_MOCK_MODEL",
+    multiple=True,
+    default=("mock-model",),
+    callback=_models,
+    help="A model ID to serve (repeatable or comma-separated); requests naming any other model "
+    "get 400, and GET /v1/models lists these.",
+)
+@_option(
+    "--ttft-ms",
+    envvar="STARGATE_MOCK_TTFT_MS",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Time to first token, in milliseconds (initial value of the `ttft_ms` knob).",
+)
+@_option(
+    "--inter-token-ms",
+    envvar="STARGATE_MOCK_INTER_TOKEN_MS",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Delay between streamed tokens, in milliseconds (initial `inter_token_ms` knob).",
+)
+@_option(
+    "--tokens",
+    envvar="STARGATE_MOCK_TOKENS",
+    type=click.IntRange(min=1),
+    default=16,
+    help="Tokens per answer; a request's max_tokens lowers it (initial `tokens` knob).",
+)
+@_option(
+    "--log-level",
+    envvar="STARGATE_MOCK_LOG_LEVEL",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    help="Minimum level of log lines written to stderr.",
+)
+def mock_backend_command(
+    host: str,
+    port: int,
+    models: tuple[str, ...],
+    ttft_ms: float,
+    inter_token_ms: float,
+    tokens: int,
+    log_level: str,
+) -> None:
+    """Run a mock OpenAI-compatible inference server for demos, tests and benchmarks.
+
+    It serves POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/embeddings
+    (streaming and not), GET /v1/models and GET /health, with deterministic answers. GET/POST
+    /test-control reads and changes its knobs at run time (latencies, health, injected failures,
+    dropped streams) and reads its request counters.
+    """
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = MockBackendConfig(
+        host=host,
+        port=port,
+        models=models,
+        ttft_ms=ttft_ms,
+        inter_token_ms=inter_token_ms,
+        tokens=tokens,
+    )
+    sys.exit(trio.run(functools.partial(_serve_until_signalled, config)))

@@ -1,0 +1,217 @@
+"""The mock backend's run-time knobs and counters, and the pure validation of `/test-control`.
+
+`POST /test-control` takes a JSON object whose keys are a subset of `KNOB_KEYS` plus `reset`;
+`GET /test-control` answers the same knob keys (so its output is valid input) together with the
+served models, the in-flight count and the counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ENDPOINTS",
+    "KNOB_KEYS",
+    "ControlError",
+    "Counters",
+    "DropMidStream",
+    "FailNext",
+    "Knobs",
+    "apply_control",
+]
+
+# Counter keys of `counters.requests`: one per route, plus `not_found` for unknown paths.
+ENDPOINTS: tuple[str, ...] = (
+    "chat_completions",
+    "completions",
+    "responses",
+    "embeddings",
+    "models",
+    "health",
+    "test_control",
+    "not_found",
+)
+
+KNOB_KEYS: frozenset[str] = frozenset(
+    {
+        "ttft_ms",
+        "inter_token_ms",
+        "tokens",
+        "healthy",
+        "response_delay_ms",
+        "fail_next",
+        "drop_mid_stream",
+    }
+)
+
+
+class ControlError(ValueError):
+    """A `/test-control` body the mock refuses with 400; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailNext:
+    """The next `count` POST /v1/* requests answer `status` with `body` and `headers`."""
+
+    count: int = 0
+    status: int = 503
+    body: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "status": self.status,
+            "body": self.body,
+            "headers": dict(self.headers),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DropMidStream:
+    """The next `count` streaming responses send `after_chunks` SSE events, then abort."""
+
+    count: int = 0
+    after_chunks: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "after_chunks": self.after_chunks}
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """Everything `/test-control` can change; the CLI flags give the first (and reset) values."""
+
+    ttft_ms: float = 0.0
+    inter_token_ms: float = 0.0
+    tokens: int = 16
+    healthy: bool = True
+    response_delay_ms: float = 0.0
+    fail_next: FailNext = FailNext()
+    drop_mid_stream: DropMidStream = DropMidStream()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ttft_ms": self.ttft_ms,
+            "inter_token_ms": self.inter_token_ms,
+            "tokens": self.tokens,
+            "healthy": self.healthy,
+            "response_delay_ms": self.response_delay_ms,
+            "fail_next": self.fail_next.to_json(),
+            "drop_mid_stream": self.drop_mid_stream.to_json(),
+        }
+
+
+@dataclass(slots=True)
+class Counters:
+    """Request counters since start or the last reset."""
+
+    requests_total: int = 0
+    requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ENDPOINTS, 0))
+    injected_failures: int = 0
+    dropped_streams: int = 0
+    client_disconnects: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests_total": self.requests_total,
+            "requests": dict(self.requests),
+            "injected_failures": self.injected_failures,
+            "dropped_streams": self.dropped_streams,
+            "client_disconnects": self.client_disconnects,
+        }
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _milliseconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ControlError(f"'{name}' must be a non-negative number of milliseconds")
+    if value == float("inf"):
+        raise ControlError(f"'{name}' must be finite")
+    return float(value)
+
+
+def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bound = f" and at most {maximum}" if maximum is not None else ""
+        raise ControlError(f"'{name}' must be an integer at least {minimum}{bound}")
+    return int(value)
+
+
+def _object(name: str, value: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ControlError(f"'{name}' must be an object")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ControlError(f"unknown '{name}' key(s): {', '.join(unknown)}")
+    return value
+
+
+def _fail_next(value: Any) -> FailNext:
+    if value is None:
+        return FailNext()
+    spec = _object("fail_next", value, {"count", "status", "body", "headers"})
+    body = spec.get("body")
+    if body is not None and not isinstance(body, str):
+        raise ControlError("'fail_next.body' must be a string")
+    headers = spec.get("headers") or {}
+    if not isinstance(headers, dict) or not all(
+        isinstance(key, str) and isinstance(item, str) and key.strip()
+        for key, item in headers.items()
+    ):
+        raise ControlError("'fail_next.headers' must be an object of string header values")
+    return FailNext(
+        count=_int("fail_next.count", spec.get("count", 1), 0),
+        status=_int("fail_next.status", spec.get("status", 503), 200, 599),
+        body=body,
+        headers=tuple((key.strip().lower(), item) for key, item in headers.items()),
+    )
+
+
+def _drop_mid_stream(value: Any) -> DropMidStream:
+    if value is None:
+        return DropMidStream()
+    spec = _object("drop_mid_stream", value, {"count", "after_chunks"})
+    return DropMidStream(
+        count=_int("drop_mid_stream.count", spec.get("count", 1), 0),
+        after_chunks=_int("drop_mid_stream.after_chunks", spec.get("after_chunks", 1), 0),
+    )
+
+
+def apply_control(payload: Any, current: Knobs, defaults: Knobs) -> tuple[Knobs, bool]:
+    """Validate a `/test-control` body and return `(new knobs, reset requested)`.
+
+    All-or-nothing: a body with any invalid field raises `ControlError` and changes nothing.
+    `reset: true` starts from `defaults`; the body's other fields then apply on top of them.
+    `fail_next` and `drop_mid_stream` accept `null` to clear them; their omitted fields default
+    to `count` 1, `status` 503 and `after_chunks` 1.
+    """
+    if not isinstance(payload, dict):
+        raise ControlError("the test-control body must be a JSON object")
+    unknown = sorted(set(payload) - KNOB_KEYS - {"reset"})
+    if unknown:
+        raise ControlError(f"unknown test-control key(s): {', '.join(unknown)}")
+    reset = payload.get("reset", False)
+    if not isinstance(reset, bool):
+        raise ControlError("'reset' must be a boolean")
+    changes: dict[str, Any] = {}
+    for name in ("ttft_ms", "inter_token_ms", "response_delay_ms"):
+        if name in payload:
+            changes[name] = _milliseconds(name, payload[name])
+    if "tokens" in payload:
+        changes["tokens"] = _int("tokens", payload["tokens"], 1)
+    if "healthy" in payload:
+        if not isinstance(payload["healthy"], bool):
+            raise ControlError("'healthy' must be a boolean")
+        changes["healthy"] = payload["healthy"]
+    if "fail_next" in payload:
+        changes["fail_next"] = _fail_next(payload["fail_next"])
+    if "drop_mid_stream" in payload:
+        changes["drop_mid_stream"] = _drop_mid_stream(payload["drop_mid_stream"])
+    base = defaults if reset else current
+    return dataclasses.replace(base, **changes), reset
