@@ -99,6 +99,7 @@ class ProxyMetrics:
     """The data plane's series (control-plane spec §5, data-plane spec §3.10)."""
 
     requests: Counter
+    responses: Counter
     attempts: Counter
     retries: Counter
     retry_exhausted: Counter
@@ -122,6 +123,12 @@ class ProxyMetrics:
                 "model",
                 "routing_key",
                 "status",
+            ),
+            responses=counter(
+                "proxy_responses_total",
+                "Proxy responses by endpoint and status class (2xx, 4xx, 5xx...).",
+                "endpoint",
+                "status_class",
             ),
             attempts=counter(
                 "proxy_attempts_total",

@@ -394,3 +394,41 @@ def _round_robin(tmp_path: Path) -> Path:
     path = tmp_path / "round-robin.json"
     path.write_text(json.dumps({"default": "round-robin"}))
     return path
+
+
+def test_client_disconnect_cancels_the_upstream_request(
+    replica: ProxyReplica, backends: list[MockBackendProcess]
+) -> None:
+    for backend in backends:
+        backend.control(inter_token_ms=200, tokens=50)  # a 10 s stream
+    with httpx.stream(
+        "POST",
+        f"{replica.base}/v1/chat/completions",
+        headers=HEADERS,
+        json={**CHAT, "stream": True},
+        timeout=10,
+    ) as response:
+        served_by = response.headers["x-inference-server-id"]
+        next(response.iter_lines())  # the stream is running; now the client goes away
+    backend = backends[int(served_by.rsplit("-", 1)[1])]
+
+    def upstream_cancelled() -> bool:
+        state = httpx.get(f"{backend.url}/test-control", timeout=5).json()
+        return state["in_flight"] == 0 and state["counters"]["client_disconnects"] >= 1
+
+    wait_until(upstream_cancelled, 5, "the backend to see the upstream request cancelled")
+
+
+def test_zero_retry_budget_passes_a_retryable_response_through(
+    replica: ProxyReplica, backends: list[MockBackendProcess]
+) -> None:
+    backends[0].control(
+        fail_next={"count": 1, "status": 429, "headers": {"x-stargate-retryable": "true"}}
+    )
+    response = _post(replica, {**HEADERS, "x-model": "model-b", "x-stargate-max-wait-ms": "0"})
+    assert response.status_code == 429
+    assert "x-stargate-retryable" not in response.headers  # Stargate-internal, stripped
+    assert 'reason="retry_budget_exhausted"' in replica.metrics()
+    assert 'stargate_proxy_responses_total{endpoint="chat_completions",status_class="4xx"}' in (
+        replica.metrics()
+    )

@@ -138,6 +138,9 @@ class ProxyApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _count(self, request: ProxyRequest, server_id: str, status: int) -> None:
+        self._metrics.responses.labels(
+            endpoint=request.endpoint, status_class=f"{status // 100}xx"
+        ).inc()
         self._metrics.requests.labels(
             inference_server_id=server_id,
             model=request.model_id,
