@@ -588,3 +588,23 @@ def test_choose_backend_handles_large_counters() -> None:
     c = cluster("k", backends=("b1", "b2"))
     backend = choose_backend(c, 2**64 + 1, NO_EXCLUSIONS)
     assert backend is not None and backend.inference_server_id == "b2"
+
+
+def test_input_work_admission_rules() -> None:
+    from stargate.routing.balancers import input_work_rejection
+    from stargate.routing.state import ClusterSnapshot
+    from stargate.routing.stats import ModelStats
+
+    def cluster(tps: float, queued: int) -> ClusterSnapshot:
+        stats = ModelStats(last_mean_input_tps=tps, queued_input_size=queued)
+        return ClusterSnapshot("c", stats, 0.0, 0.0, ())
+
+    assert input_work_rejection([cluster(100, 0)], 50, 0.5) is None
+    assert input_work_rejection([cluster(100, 0)], 51, 0.5) == "input_work_limit_exceeded"
+    # A cluster without valid TPS adds its queued work but no capacity.
+    assert input_work_rejection([cluster(100, 0), cluster(0, 100)], 0, 0.5) == (
+        "input_work_limit_exceeded"
+    )
+    assert input_work_rejection([cluster(float("nan"), 0)], 1, 10) == (
+        "input_work_capacity_unavailable"
+    )

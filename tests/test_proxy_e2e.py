@@ -432,3 +432,40 @@ def test_zero_retry_budget_passes_a_retryable_response_through(
     assert 'stargate_proxy_responses_total{endpoint="chat_completions",status_class="4xx"}' in (
         replica.metrics()
     )
+
+
+def test_input_work_admission_and_power_of_n_preference(tmp_path: Path) -> None:
+    config = tmp_path / "lb.json"
+    config.write_text(
+        json.dumps(
+            {
+                "default": "power-of-n",
+                "models": {"guarded": {"algorithm": "power-of-n", "max_input_work_seconds": 0.5}},
+            }
+        )
+    )
+    idle = launch_mock_backend("--model", "model-a,guarded")
+    busy = launch_mock_backend("--model", "model-a")
+    replica = start_proxy_replica(tmp_path, f"--lb-config-path={config}")
+    try:
+        replica.register("idle", idle.url, ["model-a"], last_mean_input_tps=100.0)
+        replica.register(
+            "busy", busy.url, ["model-a"], last_mean_input_tps=100.0, queued_input_size=5000
+        )
+        served = {_post(replica, HEADERS).headers["x-inference-server-id"] for _ in range(20)}
+        assert served == {"idle"}  # power-of-n compares both: the empty queue always wins
+        replica.register(
+            "overloaded", idle.url, ["guarded"], last_mean_input_tps=100.0, queued_input_size=1000
+        )
+        response = _post(replica, {**HEADERS, "x-model": "guarded"})
+        assert response.status_code == 503
+        assert response.content == (
+            b'{"error":"input work admission limit exceeded","code":"input_work_limit_exceeded"}'
+        )
+        assert response.headers["x-stargate-error-code"] == "input_work_limit_exceeded"
+        assert 'reason="input_work_limit_exceeded"' in replica.metrics()
+        assert _post(replica, {**HEADERS, "x-model": "unknown"}).status_code == 404
+    finally:
+        replica.close()
+        idle.stop()
+        busy.stop()

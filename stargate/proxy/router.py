@@ -31,7 +31,12 @@ from stargate.proxy.upstream import (
     UpstreamResponse,
 )
 from stargate.routing import BackendSnapshot, ClusterSnapshot, RoutingState, RoutingTargetKey
-from stargate.routing.balancers import RoutingRequest, choose_backend, expected_queue_ms
+from stargate.routing.balancers import (
+    RoutingRequest,
+    choose_backend,
+    expected_queue_ms,
+    input_work_rejection,
+)
 from stargate.routing.lb_config import (
     AlgorithmSpec,
     AlgorithmUnavailable,
@@ -50,6 +55,14 @@ RETRYABLE_STATUSES = frozenset({429, 503})
 QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
 DEFAULT_RETRY_REASON = "retryable_upstream_response"
 
+INPUT_WORK_LIMIT_EXCEEDED = ContractError(
+    503,
+    b'{"error":"input work admission limit exceeded","code":"input_work_limit_exceeded"}',
+    [
+        (b"content-type", b"application/json"),
+        (b"x-stargate-error-code", b"input_work_limit_exceeded"),
+    ],
+)
 NO_ELIGIBLE_CANDIDATES = ContractError(
     404,
     b'{"error":"no eligible candidates","code":"no_eligible_candidates"}',
@@ -159,6 +172,13 @@ class Router:
             snapshot = self._routing.snapshot(target)
             clusters = snapshot.clusters if snapshot is not None else ()
             eligible = [c for c in clusters if c.cluster_id not in state.failed_clusters]
+            if eligible and spec.max_input_work_seconds is not None:
+                rejection = input_work_rejection(
+                    eligible, request.input_tokens, spec.max_input_work_seconds
+                )
+                if rejection is not None:
+                    self._metrics.admission_rejections.labels(reason=rejection, **labels).inc()
+                    return LocalError(INPUT_WORK_LIMIT_EXCEEDED)
             choice = (
                 self._balancers.choose(
                     target, spec, clusters, routing_request, state.failed_clusters

@@ -345,3 +345,26 @@ def choose_backend(
     if not unfailed:
         return None
     return unfailed[counter % len(unfailed)]
+
+
+# ---- input-work admission (§3.8) ---------------------------------------------------------------
+
+
+def input_work_rejection(
+    clusters: Sequence[ClusterSnapshot], input_tokens: int, limit_seconds: float
+) -> str | None:
+    """Why a request must not be routed at all, or None to admit it (spec §3.8).
+
+    Work = the request's input tokens plus every considered cluster's queued input; capacity = the
+    sum of their valid input TPS (clusters without one add work, not capacity). No capacity is
+    `input_work_capacity_unavailable`; more seconds of work than the limit is
+    `input_work_limit_exceeded`.
+    """
+    capacity = sum(input_tps(cluster.stats) for cluster in clusters)
+    if capacity <= 0:
+        return "input_work_capacity_unavailable"
+    work = input_tokens + sum(cluster.stats.queued_input_size for cluster in clusters)
+    seconds = work / capacity
+    if not math.isfinite(seconds):
+        return "input_work_capacity_unavailable"
+    return "input_work_limit_exceeded" if seconds > limit_seconds else None
