@@ -8,16 +8,15 @@ message naming the listener.
 
 from __future__ import annotations
 
-import logging
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from stargate import __version__
+from stargate.clitools import comma_list, configure_logging, log_level_option, option
 from stargate.config import (
     ConfigError,
     ControlPlaneConfig,
@@ -31,8 +30,6 @@ from stargate.config import (
 )
 
 __all__ = ["main"]
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ListenAddressType(click.ParamType[ListenAddress]):
@@ -76,13 +73,6 @@ def _metrics_prefix(ctx: click.Context, param: click.Parameter, value: str) -> s
         raise click.BadParameter(str(error), ctx, param) from None
 
 
-def _comma_list(
-    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
-) -> tuple[str, ...]:
-    """Repeatable values may also be comma-separated, on the command line and in the env var."""
-    return tuple(item.strip() for raw in value for item in raw.split(",") if item.strip())
-
-
 def _connectivity(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if value == "reverse":
         raise click.BadParameter(
@@ -94,10 +84,6 @@ def _connectivity(ctx: click.Context, param: click.Parameter, value: str) -> str
     return value
 
 
-def _option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:
-    return click.option(*names, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="stargate")
 def main() -> None:
@@ -105,34 +91,34 @@ def main() -> None:
 
 
 @main.command()
-@_option(
+@option(
     "--stargate-id",
     envvar="STARGATE_ID",
     default=None,
     help="Identity of this replica in logs, discovery and /debug/state. [default: the hostname]",
 )
-@_option(
+@option(
     "--http-listen-addr",
     envvar="STARGATE_HTTP_LISTEN_ADDR",
     type=LISTEN_ADDRESS,
     default="0.0.0.0:8000",
     help="HTTP listener: the OpenAI-compatible proxy and the /healthz and /readyz probes.",
 )
-@_option(
+@option(
     "--listen-addr",
     envvar="STARGATE_LISTEN_ADDR",
     type=LISTEN_ADDRESS,
     default="0.0.0.0:50071",
     help="Control-plane gRPC listener that Pylons register with.",
 )
-@_option(
+@option(
     "--model-discovery-listen-addr",
     envvar="STARGATE_MODEL_DISCOVERY_LISTEN_ADDR",
     type=LISTEN_ADDRESS,
     default="0.0.0.0:50073",
     help="Model-discovery gRPC listener (StargateModelDiscovery/ListModels only).",
 )
-@_option(
+@option(
     "--advertise-addr",
     envvar="STARGATE_ADVERTISE_ADDR",
     type=LISTEN_ADDRESS,
@@ -140,37 +126,37 @@ def main() -> None:
     help="This replica's gRPC address as published to Pylons by WatchStargates. [default: the "
     "--listen-addr IP, or this host's address when that is 0.0.0.0/::, with the bound port]",
 )
-@_option(
+@option(
     "--stargate-discovery-dns-name",
     envvar="STARGATE_DISCOVERY_DNS_NAME",
     default=None,
     help="DNS name whose A/AAAA records are this replica's peers (in Kubernetes, the headless "
     "Service), polled every --dns-poll-ms.",
 )
-@_option(
+@option(
     "--peer",
     "peers",
     envvar="STARGATE_PEERS",
     multiple=True,
-    callback=_comma_list,
+    callback=comma_list,
     help="A peer replica's gRPC address (HOST:PORT or ID=HOST:PORT) for static discovery; "
     "repeatable or comma-separated.",
 )
-@_option(
+@option(
     "--disable-dns-discovery",
     envvar="STARGATE_DISABLE_DNS_DISCOVERY",
     is_flag=True,
     default=False,
     help="Publish only this replica in WatchStargates.",
 )
-@_option(
+@option(
     "--dns-poll-ms",
     envvar="STARGATE_DNS_POLL_MS",
     type=POSITIVE_INT,
     default=1_000,
     help="Discovery poll period of the WatchStargates publisher. Must be > 0.",
 )
-@_option(
+@option(
     "--watch-heartbeat-ms",
     envvar="STARGATE_WATCH_HEARTBEAT_MS",
     type=NON_NEGATIVE_INT,
@@ -178,23 +164,23 @@ def main() -> None:
     help="Longest interval between re-publications of an unchanged WatchStargates snapshot "
     "(0 = every poll).",
 )
-@_option(
+@option(
     "--remote-stargate-url",
     "remote_stargate_urls",
     envvar="STARGATE_REMOTE_WATCH_URLS",
     multiple=True,
-    callback=_comma_list,
+    callback=comma_list,
     help="Extra WatchStargates seeds (other regions) passed on to Pylons; repeatable or "
     "comma-separated. Never registration targets.",
 )
-@_option(
+@option(
     "--grpc-pylon-dial-addr",
     envvar="STARGATE_GRPC_PYLON_DIAL_ADDR",
     default=None,
     help="Address Pylons dial instead of each replica's advertise address (e.g. a load "
     "balancer), published on every WatchStargates entry.",
 )
-@_option(
+@option(
     "--registration-update-idle-timeout-ms",
     envvar="STARGATE_REGISTRATION_UPDATE_IDLE_TIMEOUT_MS",
     type=NON_NEGATIVE_INT,
@@ -202,7 +188,7 @@ def main() -> None:
     help="Floor of a registration stream's idle timeout (3 x the Pylon heartbeat). 0 disables "
     "idle enforcement.",
 )
-@_option(
+@option(
     "--registration-update-max-idle-timeout-ms",
     envvar="STARGATE_REGISTRATION_UPDATE_MAX_IDLE_TIMEOUT_MS",
     type=NON_NEGATIVE_INT,
@@ -210,28 +196,28 @@ def main() -> None:
     help="Cap of the idle timeout, and its value when the Pylon sends no heartbeat header. "
     "0 disables idle enforcement.",
 )
-@_option(
+@option(
     "--grpc-max-message-bytes",
     envvar="STARGATE_GRPC_MAX_MESSAGE_BYTES",
     type=POSITIVE_INT,
     default=4 * 1024 * 1024,
     help="Largest gRPC message accepted; larger ones end the call with RESOURCE_EXHAUSTED.",
 )
-@_option(
+@option(
     "--worker-auth-endpoint",
     envvar="STARGATE_WORKER_AUTH_ENDPOINT",
     default=None,
     help="HOST:PORT of an llm_gateway.LlmGateway service whose AuthLlmWorker maps a Pylon's "
     "bearer token to its routing key. Without it (and without a token file) registration is open.",
 )
-@_option(
+@option(
     "--registration-token-file",
     envvar="STARGATE_REGISTRATION_TOKEN_FILE",
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
     default=None,
     help="File holding a shared bearer token every Pylon must present (no routing key).",
 )
-@_option(
+@option(
     "--health-check-timeout-ms",
     envvar="STARGATE_HEALTH_CHECK_TIMEOUT_MS",
     type=POSITIVE_INT,
@@ -239,7 +225,7 @@ def main() -> None:
     help="Timeout of one backend health probe (GET {url}/health); a backend that fails it is "
     "not routable until a later probe succeeds.",
 )
-@_option(
+@option(
     "--backend-connectivity",
     envvar="STARGATE_BACKEND_CONNECTIVITY",
     type=click.Choice(["direct", "reverse"]),
@@ -247,7 +233,7 @@ def main() -> None:
     callback=_connectivity,
     help="How backends are reached. Only direct (HTTP) is offered; reverse is refused.",
 )
-@_option(
+@option(
     "--proxy-max-connect-retries",
     envvar="STARGATE_PROXY_MAX_CONNECT_RETRIES",
     type=NON_NEGATIVE_INT,
@@ -255,21 +241,21 @@ def main() -> None:
     help="Per request: how many times a transport failure (refused, reset, response-head "
     "timeout) may move the request to another backend.",
 )
-@_option(
+@option(
     "--proxy-max-request-retries",
     envvar="STARGATE_PROXY_MAX_REQUEST_RETRIES",
     type=NON_NEGATIVE_INT,
     default=2,
     help="Per request: how many retryable upstream 429/503 responses may be retried elsewhere.",
 )
-@_option(
+@option(
     "--proxy-max-replay-body-bytes",
     envvar="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
     type=NON_NEGATIVE_INT,
     default=64 * 1024 * 1024,
     help="Largest request body accepted (kept in memory for replay on a retry); larger is 413.",
 )
-@_option(
+@option(
     "--proxy-require-pylon-retry-signal",
     envvar="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
     type=click.BOOL,
@@ -277,14 +263,14 @@ def main() -> None:
     help="Retry an upstream 429/503 only when it carries x-stargate-retryable: true "
     "(takes a value: --proxy-require-pylon-retry-signal=false).",
 )
-@_option(
+@option(
     "--proxy-retry-budget-header",
     envvar="STARGATE_PROXY_RETRY_BUDGET_HEADER",
     default="x-stargate-max-wait-ms",
     help="Request header carrying a retry budget in ms (retries start only within it); "
     "empty disables.",
 )
-@_option(
+@option(
     "--proxy-response-header-timeout-ms",
     envvar="STARGATE_PROXY_RESPONSE_HEADER_TIMEOUT_MS",
     type=POSITIVE_INT,
@@ -292,14 +278,14 @@ def main() -> None:
     help="Longest wait for a backend's response head (then 502 or a retry); the streamed body "
     "has no timeout.",
 )
-@_option(
+@option(
     "--proxy-connect-timeout-ms",
     envvar="STARGATE_PROXY_CONNECT_TIMEOUT_MS",
     type=POSITIVE_INT,
     default=5_000,
     help="Timeout of one TCP (and TLS) connect to a backend.",
 )
-@_option(
+@option(
     "--accept-openai-requests",
     envvar="STARGATE_ACCEPT_OPENAI_REQUESTS",
     is_flag=True,
@@ -307,7 +293,7 @@ def main() -> None:
     help="Let plain OpenAI clients through: without x-model, the model comes from the JSON body, "
     "x-request-id is generated and returned, x-input-tokens is estimated.",
 )
-@_option(
+@option(
     "--lb-config-path",
     envvar="STARGATE_LB_CONFIG_PATH",
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
@@ -315,28 +301,28 @@ def main() -> None:
     help="JSON load-balancer config (default algorithm, per-model algorithms, header "
     "overrides). Without it: power-of-n, with every algorithm selectable by x-routing-method.",
 )
-@_option(
+@option(
     "--upstream-ca-file",
     envvar="STARGATE_UPSTREAM_CA_FILE",
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
     default=None,
     help="Extra CA certificates (PEM) trusted for https:// backends, besides the system store.",
 )
-@_option(
+@option(
     "--metrics-port",
     envvar="STARGATE_METRICS_PORT",
     type=PORT,
     default=9090,
     help="Port of the Prometheus /metrics listener (always bound on 0.0.0.0).",
 )
-@_option(
+@option(
     "--metrics-prefix",
     envvar="STARGATE_METRICS_PREFIX",
     default="stargate_",
     callback=_metrics_prefix,
     help="Prefix of every metric name (e.g. llm_request_router_).",
 )
-@_option(
+@option(
     "--shutdown-drain-timeout-ms",
     envvar="STARGATE_SHUTDOWN_DRAIN_TIMEOUT_MS",
     type=NON_NEGATIVE_INT,
@@ -344,7 +330,7 @@ def main() -> None:
     help="After SIGTERM/SIGINT, how long in-flight requests and streams may take to finish "
     "before the process exits 1.",
 )
-@_option(
+@option(
     "--readiness-warmup-ms",
     envvar="STARGATE_READINESS_WARMUP_MS",
     type=NON_NEGATIVE_INT,
@@ -352,27 +338,21 @@ def main() -> None:
     help="Upper bound of the readiness warmup: /readyz answers 503 until the backend count is "
     "stable or this deadline passes. 0 = ready at start.",
 )
-@_option(
+@option(
     "--warmup-sample-interval-ms",
     envvar="STARGATE_WARMUP_SAMPLE_INTERVAL_MS",
     type=POSITIVE_INT,
     default=1_000,
     help="How often warmup samples the total active backend count. Must be > 0.",
 )
-@_option(
+@option(
     "--warmup-stabilization-window",
     envvar="STARGATE_WARMUP_STABILIZATION_WINDOW",
     type=POSITIVE_INT,
     default=5,
     help="Consecutive equal, nonzero samples that end warmup early. Must be > 0.",
 )
-@_option(
-    "--log-level",
-    envvar="STARGATE_LOG_LEVEL",
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-    default="info",
-    help="Minimum level of log lines written to stderr.",
-)
+@log_level_option("STARGATE_LOG_LEVEL")
 def serve(
     stargate_id: str | None,
     http_listen_addr: ListenAddress,
@@ -412,7 +392,7 @@ def serve(
     log_level: str,
 ) -> None:
     """Run one replica until SIGTERM or SIGINT."""
-    _configure_logging(log_level)
+    configure_logging(log_level)
     try:
         config = ServeConfig(
             stargate_id=stargate_id or socket.gethostname(),
@@ -463,16 +443,6 @@ def serve(
     from stargate import runtime  # imported here so `--help` stays fast
 
     sys.exit(runtime.run(config))
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # One line per backend health probe would drown everything else.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _register_subcommands() -> None:

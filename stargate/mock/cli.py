@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import click
 import trio
 
+from stargate.clitools import configure_logging, log_level_option, option
 from stargate.config import ListenAddress
 from stargate.mock.app import MockBackend, MockBackendConfig, drop_filter
 
@@ -114,10 +115,6 @@ async def _serve(
     cancel_scope.cancel()  # served and drained: stop watching for signals
 
 
-def _option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:
-    return click.option(*names, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
-
-
 def _ip_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
     text = value.strip().removeprefix("[").removesuffix("]")
     try:
@@ -138,14 +135,14 @@ def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     "mock-backend",
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
-@_option(
+@option(
     "--host",
     envvar="STARGATE_MOCK_HOST",
     default="127.0.0.1",
     callback=_ip_address,
     help="IP address to listen on (0.0.0.0 or :: for every interface).",
 )
-@_option(
+@option(
     "--port",
     envvar="STARGATE_MOCK_PORT",
     type=click.IntRange(min=0, max=65535),
@@ -153,7 +150,7 @@ def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     help="TCP port to listen on; 0 picks a free one. The bound address is printed to stdout as "
     "`listening on http://HOST:PORT` once the server accepts connections.",
 )
-@_option(
+@option(
     "--model",
     "models",
     envvar="STARGATE_MOCK_MODEL",
@@ -163,34 +160,28 @@ def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     help="A model ID to serve (repeatable or comma-separated); requests naming any other model "
     "get 400, and GET /v1/models lists these.",
 )
-@_option(
+@option(
     "--ttft-ms",
     envvar="STARGATE_MOCK_TTFT_MS",
     type=click.FloatRange(min=0),
     default=0.0,
     help="Time to first token, in milliseconds (initial value of the `ttft_ms` knob).",
 )
-@_option(
+@option(
     "--inter-token-ms",
     envvar="STARGATE_MOCK_INTER_TOKEN_MS",
     type=click.FloatRange(min=0),
     default=0.0,
     help="Delay between streamed tokens, in milliseconds (initial `inter_token_ms` knob).",
 )
-@_option(
+@option(
     "--tokens",
     envvar="STARGATE_MOCK_TOKENS",
     type=click.IntRange(min=1),
     default=16,
     help="Tokens per answer; a request's max_tokens lowers it (initial `tokens` knob).",
 )
-@_option(
-    "--log-level",
-    envvar="STARGATE_MOCK_LOG_LEVEL",
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-    default="info",
-    help="Minimum level of log lines written to stderr.",
-)
+@log_level_option("STARGATE_MOCK_LOG_LEVEL")
 def mock_backend_command(
     host: str,
     port: int,
@@ -207,11 +198,7 @@ def mock_backend_command(
     /test-control reads and changes its knobs at run time (latencies, health, injected failures,
     dropped streams) and reads its request counters.
     """
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(log_level)
     config = MockBackendConfig(
         host=host,
         port=port,

@@ -1,0 +1,48 @@
+"""Building blocks shared by every `stargate` command (serve, mock-backend, pylon, demo).
+
+Every option shows its environment variable and default in `--help`; every command logs the same
+way. Parts of the package may use these helpers; nothing here imports a part.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+__all__ = ["comma_list", "configure_logging", "log_level_option", "option"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option with an explicit environment variable, shown with its default in --help."""
+    return click.option(*names, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+
+
+def log_level_option(envvar: str) -> Callable[[F], F]:
+    return option(
+        "--log-level",
+        envvar=envvar,
+        type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+        default="info",
+        help="Minimum level of log lines written to stderr.",
+    )
+
+
+def comma_list(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> tuple[str, ...]:
+    """Repeatable values may also be comma-separated, on the command line and in the env var."""
+    return tuple(item.strip() for raw in value for item in raw.split(",") if item.strip())
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+    # One line per backend health probe or upstream request would drown everything else.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
