@@ -37,3 +37,12 @@ def protos(session: nox.Session) -> None:
     """Regenerate stargate/protocol/*_pb2*.py from the .proto files (commit the result)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "stargate.protocol.generate")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks on loopback: `nox -s bench -- proxy [--quick]` (see benchmarks/proxy.py)."""
+    if not session.posargs or session.posargs[0] != "proxy":
+        session.error("usage: nox -s bench -- proxy [--quick] [options; see --help]")
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "benchmarks.proxy", *session.posargs[1:])
