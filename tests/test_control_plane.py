@@ -58,7 +58,9 @@ class Replica:
         stop(self.process)
 
 
-def start_replica(log_dir: Path, *extra: str, ports: Ports | None = None) -> Replica:
+def start_replica(
+    log_dir: Path, *extra: str, ports: Ports | None = None, no_discovery: bool = True
+) -> Replica:
     ports = ports or Ports.pick()
     process = launch(
         log_dir / f"replica-{ports.grpc}.log",
@@ -66,7 +68,7 @@ def start_replica(log_dir: Path, *extra: str, ports: Ports | None = None) -> Rep
         "--stargate-id=cp-replica",
         *ports.args(),
         "--readiness-warmup-ms=0",
-        "--disable-dns-discovery",
+        *(["--disable-dns-discovery"] if no_discovery else []),
         *extra,
     )
     replica = Replica(process, ports)
@@ -565,3 +567,38 @@ def test_worker_auth_maps_tokens_to_isolated_routing_keys(
     finally:
         replica.close()
         gateway.close()
+
+
+def test_watch_stargates_resends_an_unchanged_snapshot_at_the_heartbeat(tmp_path: Path) -> None:
+    replica = start_replica(tmp_path, "--dns-poll-ms=100", "--watch-heartbeat-ms=200")
+    try:
+        call = replica.control.WatchStargates(pb.WatchStargatesRequest(), timeout=10)
+        started = time.monotonic()
+        first, second = next(call), next(call)
+        call.cancel()
+        assert first == second  # identical, re-sent
+        assert 0.1 < time.monotonic() - started < 3
+    finally:
+        replica.close()
+
+
+def test_static_peers_are_published_with_self(tmp_path: Path) -> None:
+    ports = Ports.pick()
+    replica = start_replica(
+        tmp_path,
+        "--peer=peer-b=127.0.0.9:50071,127.0.0.8:50071",
+        ports=ports,
+        no_discovery=False,
+    )
+    try:
+        call = replica.control.WatchStargates(pb.WatchStargatesRequest(), timeout=10)
+        snapshot = next(call)
+        call.cancel()
+        entries = {(s.stargate_id, s.advertise_addr) for s in snapshot.stargates}
+        assert entries == {
+            ("cp-replica", f"127.0.0.1:{ports.grpc}"),
+            ("peer-b", "127.0.0.9:50071"),
+            ("127.0.0.8:50071", "127.0.0.8:50071"),
+        }
+    finally:
+        replica.close()
