@@ -1,0 +1,39 @@
+"""ModelPool activation: members of a pool share one exclusive slot, swapped on demand.
+
+A Python/trio replica of LLMKube's router-proxy activator with the #1837 fix (PR #1838); see
+`/work/shared/spec/activator.md`. The proxy calls `Activator.acquire(model)` before dispatching to
+a pooled member and `Grant.release()` when the response body ends.
+"""
+
+from stargate.activator.controller import FakeController, MemberController, PhaseReporter
+from stargate.activator.errors import (
+    ActivatorError,
+    ActivatorStopped,
+    HoldTimeout,
+    IncumbentBusy,
+    PoolQueueFull,
+    SwapFailed,
+    UnknownMember,
+)
+from stargate.activator.metrics import ActivatorMetrics
+from stargate.activator.pool import Activator, Grant, PoolSpec
+from stargate.activator.readiness import MemberReadiness, ReadinessSource
+
+__all__ = [
+    "Activator",
+    "ActivatorError",
+    "ActivatorMetrics",
+    "ActivatorStopped",
+    "FakeController",
+    "Grant",
+    "HoldTimeout",
+    "IncumbentBusy",
+    "MemberController",
+    "MemberReadiness",
+    "PhaseReporter",
+    "PoolQueueFull",
+    "PoolSpec",
+    "ReadinessSource",
+    "SwapFailed",
+    "UnknownMember",
+]

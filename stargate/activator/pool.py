@@ -1,0 +1,639 @@
+"""The ModelPool activator: one exclusive slot per pool, swapped on demand (activator spec §2),
+with the #1837 fix (PR #1838, spec §4.3 F1-F6) built in.
+
+Design: one `trio.Lock` per pool, as in the spec's locking discipline (§2.8), rather than a single
+owner task fed by memory channels. The fix's core invariant is "every Deactivate decision *and its
+patch* happen under the same lock that every swap start takes", i.e. a critical section that spans
+an `await` (the controller call). A lock expresses that directly and keeps the upstream structure
+recognisable; an owner task would have to serialize the same awaited patch and would add a second
+hop (and a second cancellation path) to every acquire. No invariant spans two pools, so per-pool
+locks let a hung controller stall only its own pool, and only for `controller_timeout` per call.
+
+Trio detail: a section without checkpoints is atomic, so the locked sections are the ones that
+either await under the lock (the deferred deactivate, the abandoned-swap deactivate) or must not
+interleave with them (every acquire decision, since it can start a swap, and the swap task's
+completion). `Grant.release`, `invalidate_resident` and the acquire cleanup contain no
+checkpoint and need no lock: they start nothing and cannot run in the middle of another section's
+state reads. The cleanup being synchronous also means a cancelled caller never waits for a lock.
+
+Swaps and deferred deactivates run in the activator's own nursery (`run`), never under a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from stargate.activator.controller import MemberController
+from stargate.activator.errors import (
+    ActivatorStopped,
+    HoldTimeout,
+    IncumbentBusy,
+    PoolQueueFull,
+    SwapFailed,
+    UnknownMember,
+)
+from stargate.activator.metrics import ActivatorMetrics
+from stargate.activator.readiness import ReadinessSource
+from stargate.activator.state import (
+    Decision,
+    Mode,
+    PoolState,
+    SwapOutcome,
+    SwapState,
+    classify_swap_end,
+    cleanup_after_acquire,
+    deactivate_skip_reason,
+    decide,
+    reconcile_resident,
+    resolve_hold_budget,
+    resolve_swap_deadline,
+)
+
+__all__ = ["Activator", "Grant", "PoolSpec"]
+
+log = logging.getLogger(__name__)
+
+BeforeDeactivateHook = Callable[[str, str], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool: members share one exclusive slot (spec §6).
+
+    `swap_budget`: how long a swap may take (None or <= 0: 2 x response-header timeout).
+    `hold_budget`: how long one acquire may wait (None: the swap budget, else the response-header
+    timeout). `default_mode`: the activation mode when `acquire` gets none. `max_held`: at most
+    this many requests held per pool before `PoolQueueFull`. `namespace`: the `resident` gauge's
+    label (LLMKube labels it by namespace).
+    """
+
+    name: str
+    members: tuple[str, ...]
+    swap_budget: float | None = 300.0
+    default_mode: Mode = "wait"
+    hold_budget: float | None = None
+    max_held: int = 1000
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple(self.members))
+        if not self.members:
+            raise ValueError(f"pool {self.name!r} has no members")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"pool {self.name!r} lists a member twice")
+        if self.default_mode not in ("wait", "if_idle"):
+            raise ValueError(f"pool {self.name!r}: unknown activation mode {self.default_mode!r}")
+        if self.max_held < 0:
+            raise ValueError(f"pool {self.name!r}: max_held must be >= 0")
+
+
+class Grant:
+    """The right to send one request to `member`. Call `release()` exactly once, when the response
+    body ends (or dispatch fails). A second call is a logged no-op, never another request's count.
+    Also a (sync) context manager."""
+
+    __slots__ = ("_pool", "_released", "member", "pool")
+
+    def __init__(self, pool: _Pool, member: str) -> None:
+        self._pool = pool
+        self.pool = pool.spec.name
+        self.member = member
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            log.warning(
+                "model pool grant released twice",
+                extra={"pool": self.pool, "member": self.member},
+            )
+            return
+        self._released = True
+        self._pool.release(self.member)
+
+    def __enter__(self) -> Grant:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"Grant({self.pool!r}, {self.member!r}, released={self._released})"
+
+
+class _Pool:
+    """One pool's runtime: spec, lock, state and change broadcast."""
+
+    def __init__(self, spec: PoolSpec, controller: MemberController, router: str) -> None:
+        self.spec = spec
+        self.controller = controller
+        self.router = router
+        self.lock = trio.Lock()
+        self.state = PoolState(members=spec.members)
+        self.changed = trio.Event()
+        self.swap_scope: trio.CancelScope | None = None
+        self.metrics: ActivatorMetrics | None = None
+        # Counters for tests and `snapshot()`.
+        self.deactivates_skipped = 0
+        self.swaps_started = 0
+
+    def notify(self) -> None:
+        """Wake every current waiter and install a fresh event (spec §2.1 `change`)."""
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def release(self, member: str) -> None:
+        inflight = self.state.inflight.get(member, 0)
+        if inflight > 0:
+            inflight -= 1
+            self.state.inflight[member] = inflight
+        if inflight == 0:
+            self.state.inflight.pop(member, None)
+            self.notify()
+
+    def publish_held(self, member: str) -> None:
+        if self.metrics is not None:
+            self.metrics.held_requests.labels(
+                member=member, pool=self.spec.name, router=self.router
+            ).set(self.state.waiting.get(member, 0))
+
+    def publish_resident(self) -> None:
+        if self.metrics is not None:
+            for member in self.spec.members:
+                self.metrics.resident.labels(
+                    member=member, namespace=self.spec.namespace, pool=self.spec.name
+                ).set(1 if member == self.state.resident else 0)
+
+
+class Activator:
+    """Owns every pool. Start `run` in a nursery before the first `acquire`."""
+
+    def __init__(
+        self,
+        pools: Iterable[PoolSpec],
+        controllers: Mapping[str, MemberController],
+        readiness: ReadinessSource,
+        *,
+        metrics: ActivatorMetrics | None = None,
+        router_name: str = "stargate",
+        response_header_timeout: float = 30.0,
+        resync_interval: float = 5.0,
+        controller_timeout: float = 10.0,
+        before_deactivate: BeforeDeactivateHook | None = None,
+    ) -> None:
+        self._readiness = readiness
+        self._metrics = metrics
+        self._router = router_name or "default"
+        self._response_header_timeout = response_header_timeout
+        self._resync_interval = resync_interval
+        self._controller_timeout = controller_timeout
+        # Test-only hook (upstream `beforeDeactivate`): awaited with (pool, member) just before a
+        # deferred deactivate re-takes the lock. None in production.
+        self.before_deactivate = before_deactivate
+        self._pools: dict[str, _Pool] = {}
+        self._by_member: dict[str, _Pool] = {}
+        for spec in pools:
+            if spec.name in self._pools:
+                raise ValueError(f"duplicate pool {spec.name!r}")
+            controller = controllers.get(spec.name)
+            if controller is None:
+                raise ValueError(f"pool {spec.name!r} has no member controller")
+            pool = _Pool(spec, controller, self._router)
+            pool.metrics = metrics
+            for member in spec.members:
+                other = self._by_member.get(member)
+                if other is not None:
+                    raise ValueError(
+                        f"member {member!r} is in pools {other.spec.name!r} and {spec.name!r}"
+                    )
+                self._by_member[member] = pool
+            self._pools[spec.name] = pool
+        self._nursery: trio.Nursery | None = None
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host swaps and deferred deactivates until cancelled (the service lifetime).
+
+        On exit every running swap is cancelled; its state is dropped and every waiter is woken,
+        so a caller still inside `acquire` gets `ActivatorStopped` instead of holding to its
+        budget."""
+        if self._nursery is not None:
+            raise RuntimeError("Activator.run is already running")
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            for pool in self._pools.values():
+                pool.state.swap = None
+                pool.swap_scope = None
+                pool.state.pending_deactivate.clear()
+                pool.notify()
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def pool_of(self, model: str) -> str | None:
+        pool = self._by_member.get(model)
+        return None if pool is None else pool.spec.name
+
+    def pool_spec(self, name: str) -> PoolSpec:
+        return self._pools[name].spec
+
+    def hold_budget(self, model: str) -> float:
+        """The hold budget `acquire(model)` uses by default."""
+        spec = self._pool_for(model).spec
+        return resolve_hold_budget(
+            spec.hold_budget, spec.swap_budget, self._response_header_timeout
+        )
+
+    def swap_deadline(self, pool: str) -> float:
+        spec = self._pools[pool].spec
+        return resolve_swap_deadline(spec.swap_budget, self._response_header_timeout)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per-pool debugging view; plain data, safe to JSON-encode."""
+        now = _now_or_none()
+        out: dict[str, dict[str, Any]] = {}
+        for name, pool in self._pools.items():
+            st = pool.state
+            swap = st.swap
+            out[name] = {
+                "members": list(pool.spec.members),
+                "resident": st.resident,
+                "resident_checked_at": st.resident_checked_at,
+                "activating": None if swap is None else swap.target,
+                "swapping": swap is not None,
+                "swap_generation": st.swap_gen,
+                "swap": None
+                if swap is None
+                else {
+                    "generation": swap.gen,
+                    "from": swap.incumbent,
+                    "to": swap.target,
+                    "started_at": swap.started_at,
+                    "deadline": swap.deadline,
+                    "remaining": None if now is None else max(0.0, swap.deadline - now),
+                    "cancel_reason": swap.cancel_reason,
+                },
+                "held": dict(st.waiting),
+                "held_total": st.held(),
+                "in_flight": dict(st.inflight),
+                "swap_errors": {m: reason for m, (_, reason) in st.swap_err.items()},
+                "pending_deactivates": sorted(st.pending_deactivate),
+                "locked": pool.lock.locked(),
+                "swaps_started": pool.swaps_started,
+                "deactivates_skipped": pool.deactivates_skipped,
+            }
+        return out
+
+    # ---- self-heal ------------------------------------------------------------------------------
+
+    def invalidate_resident(self, pool: str) -> None:
+        """Re-verify residency on the next acquire (spec §2.6). A no-op for an unknown pool or
+        while a swap owns residency."""
+        runtime = self._pools.get(pool)
+        if runtime is not None and runtime.state.swap is None:
+            runtime.state.resident_checked_at = None
+
+    # ---- acquire --------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def hold(
+        self, model: str, mode: Mode | None = None, *, hold_budget: float | None = None
+    ) -> AsyncIterator[Grant]:
+        """`async with activator.hold(model) as grant:`: acquire, and release on exit."""
+        grant = await self.acquire(model, mode, hold_budget=hold_budget)
+        with grant:
+            yield grant
+
+    async def acquire(
+        self, model: str, mode: Mode | None = None, *, hold_budget: float | None = None
+    ) -> Grant:
+        """Wait until `model` may be sent a request, then count it in flight (spec §2.3).
+
+        Raises `HoldTimeout`, `SwapFailed`, `IncumbentBusy`, `PoolQueueFull`, `UnknownMember` or
+        `ActivatorStopped`;
+        a cancellation from the caller propagates as `trio.Cancelled`. The grant is counted in
+        flight in the same checkpoint-free step that returns it, so a caller cancelled while
+        being granted never strands a count.
+        """
+        pool = self._pool_for(model)
+        if self._nursery is None:
+            raise ActivatorStopped("Activator.run is not running")
+        spec = pool.spec
+        st = pool.state
+        mode = spec.default_mode if mode is None else mode
+        if mode not in ("wait", "if_idle"):
+            raise ValueError(f"unknown activation mode {mode!r}")
+        hold = (
+            hold_budget
+            if hold_budget is not None
+            else resolve_hold_budget(
+                spec.hold_budget, spec.swap_budget, self._response_header_timeout
+            )
+        )
+        hold_start = trio.current_time()
+        st.waiting[model] = st.waiting.get(model, 0) + 1
+        pool.publish_held(model)
+        schedule_cleanup = True
+        try:
+            with trio.CancelScope(deadline=hold_start + hold):
+                first_pass = True
+                while True:
+                    async with pool.lock:
+                        if self._nursery is None:
+                            raise ActivatorStopped("the activator stopped")
+                        if first_pass and reconcile_resident(
+                            st,
+                            self._readiness.is_ready,
+                            trio.current_time(),
+                            self._resync_interval,
+                        ):
+                            pool.publish_resident()
+                        decision = decide(st, model, mode)
+                        if decision is Decision.SWAP_ERROR:
+                            message, reason = st.swap_err.pop(model)
+                            raise SwapFailed(message, pool=spec.name, member=model, reason=reason)
+                        if decision is Decision.GRANT:
+                            st.inflight[model] = st.inflight.get(model, 0) + 1
+                            if self._metrics is not None:
+                                self._metrics.coalesced.labels(
+                                    member=model, pool=spec.name, router=self._router
+                                ).inc()
+                            return Grant(pool, model)  # no checkpoint from here to the caller
+                        if decision is Decision.BUSY:
+                            if self._metrics is not None:
+                                self._metrics.busy_skips.labels(
+                                    member=model, pool=spec.name, router=self._router
+                                ).inc()
+                            raise IncumbentBusy(
+                                "model pool incumbent busy; swap not started",
+                                pool=spec.name,
+                                member=model,
+                            )
+                        if first_pass and st.held() - 1 >= spec.max_held:
+                            schedule_cleanup = False  # this request started and held nothing
+                            raise PoolQueueFull(
+                                f"model pool {spec.name} already holds {spec.max_held} requests",
+                                pool=spec.name,
+                                member=model,
+                            )
+                        if decision is Decision.START_SWAP:
+                            self._start_swap(pool, st.resident, model, hold_start)
+                        first_pass = False
+                        changed = pool.changed  # snapshot under the lock: no lost wakeup
+                    await changed.wait()
+            # Only our own hold deadline lands here; a caller's cancel propagates as Cancelled.
+            raise HoldTimeout(
+                "model pool activation hold budget exceeded", pool=spec.name, member=model
+            )
+        finally:
+            self._cleanup(pool, model, schedule=schedule_cleanup)
+
+    def _pool_for(self, model: str) -> _Pool:
+        pool = self._by_member.get(model)
+        if pool is None:
+            raise UnknownMember(model)
+        return pool
+
+    def _cleanup(self, pool: _Pool, member: str, *, schedule: bool) -> None:
+        """Every acquire exit (spec §2.3 step 5). Synchronous: never waits, never notifies."""
+        st = pool.state
+        remaining = st.waiting.get(member, 0) - 1
+        if remaining > 0:
+            st.waiting[member] = remaining
+        else:
+            st.waiting.pop(member, None)
+        pool.publish_held(member)
+        cancel_swap, gen = cleanup_after_acquire(st, member)
+        if cancel_swap:
+            self._cancel_swap(pool)
+        if gen is not None and schedule:
+            self._schedule_deactivate(pool, member, gen)
+
+    # ---- swaps ----------------------------------------------------------------------------------
+
+    def _start_swap(
+        self, pool: _Pool, incumbent: str | None, target: str, hold_start: float
+    ) -> None:
+        """Lock held, no checkpoint (spec §2.4): set the swap state and spawn its task (the task
+        only runs after this section, so the order of the two steps does not matter)."""
+        st = pool.state
+        now = trio.current_time()
+        deadline = now + resolve_swap_deadline(pool.spec.swap_budget, self._response_header_timeout)
+        swap = SwapState(
+            gen=st.swap_gen + 1,
+            target=target,
+            incumbent=incumbent,
+            started_at=now,
+            deadline=deadline,
+            hold_start=hold_start,
+        )
+        # F3: every swap runs under a deadline.
+        scope = trio.CancelScope(deadline=deadline)
+        self._spawn(self._run_swap, pool, swap, scope)
+        st.swap_gen = swap.gen
+        st.swap = swap
+        pool.swap_scope = scope
+        pool.swaps_started += 1
+        st.swap_err.pop(target, None)
+        pool.notify()
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Start a task in the activator's nursery; `ActivatorStopped` while shutting down."""
+        if self._nursery is None:
+            raise ActivatorStopped("the activator stopped")
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError as exc:  # "Nursery is closed to new arrivals"
+            raise ActivatorStopped("the activator is stopping") from exc
+
+    def _cancel_swap(self, pool: _Pool) -> None:
+        """Cancel-on-timeout: the last waiter for the swap's target left."""
+        swap = pool.state.swap
+        scope = pool.swap_scope
+        if swap is None or scope is None:
+            return
+        if swap.cancel_reason is None:
+            # First cause wins (§8.5): past the deadline the swap already ended by "deadline".
+            past_deadline = trio.current_time() >= swap.deadline
+            swap.cancel_reason = "deadline" if past_deadline else "cancelled"
+        scope.cancel()
+
+    async def _run_swap(self, pool: _Pool, swap: SwapState, scope: trio.CancelScope) -> None:
+        error: BaseException | None = None
+        t0 = trio.current_time()
+        with scope:
+            try:
+                await pool.controller.activate(swap.target)
+                while not self._readiness.is_ready(swap.target):
+                    await self._readiness.wait_changed(swap.target)
+            except Exception as exc:
+                error = exc
+        errored = error is not None or scope.cancelled_caught
+        outcome = classify_swap_end(errored=errored, cancel_called=scope.cancel_called, swap=swap)
+        await self._finish_swap(pool, swap, outcome, error, t0)
+
+    async def _finish_swap(
+        self,
+        pool: _Pool,
+        swap: SwapState,
+        outcome: SwapOutcome,
+        error: BaseException | None,
+        t0: float,
+    ) -> None:
+        """The swap task's completion, under the lock (spec §2.4 steps 2-5)."""
+        st = pool.state
+        spec = pool.spec
+        async with pool.lock:
+            try:
+                if st.swap is not swap:
+                    return  # F2: superseded; never touch a newer swap's state
+                st.swap = None
+                pool.swap_scope = None
+                now = trio.current_time()
+                target = swap.target
+                if outcome is SwapOutcome.SUCCESS:
+                    st.resident = target
+                    st.resident_checked_at = now
+                    if self._metrics is not None:
+                        m = self._metrics
+                        m.swaps.labels(
+                            **{"from": swap.incumbent or ""},
+                            pool=spec.name,
+                            router=self._router,
+                            to=target,
+                        ).inc()
+                        m.swap_duration.labels(pool=spec.name, router=self._router).observe(
+                            now - t0
+                        )
+                        m.hold_duration.labels(
+                            member=target, pool=spec.name, router=self._router
+                        ).observe(now - swap.hold_start)
+                    pool.publish_resident()
+                elif outcome is SwapOutcome.CANCELLED:
+                    pass  # F5: quiet; the deferred deactivate scales it down
+                elif outcome is SwapOutcome.ABANDONED:
+                    elapsed = now - swap.started_at
+                    log.error(
+                        "model pool swap abandoned",
+                        extra={
+                            "pool": spec.name,
+                            "member": target,
+                            "from": swap.incumbent or "",
+                            "to": target,
+                            "reason": "deadline",
+                            "elapsed": round(elapsed, 3),
+                        },
+                    )
+                    self._count_failure(pool, target, "deadline")
+                    st.swap_err[target] = (
+                        f"model pool swap to member {target} abandoned after {elapsed:.3f}s; "
+                        "target never became resident",
+                        "deadline",
+                    )
+                    # F4: scale the target down while the lock is held, so no waiter can start a
+                    # fresh swap whose Activate this patch would undo.
+                    await self._deactivate_locked(
+                        pool, target, "model pool deactivate after abandoned swap failed"
+                    )
+                else:
+                    log.error(
+                        "model pool swap failed",
+                        extra={
+                            "pool": spec.name,
+                            "member": target,
+                            "from": swap.incumbent or "",
+                            "to": target,
+                            "reason": "error",
+                            "error": repr(error),
+                        },
+                    )
+                    self._count_failure(pool, target, "error")
+                    st.swap_err[target] = (
+                        f"model pool swap failed for member {target}: {error}",
+                        "error",
+                    )
+            finally:
+                pool.notify()
+
+    def _count_failure(self, pool: _Pool, member: str, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.swap_failures.labels(
+                member=member, pool=pool.spec.name, reason=reason, router=self._router
+            ).inc()
+
+    # ---- deactivates ----------------------------------------------------------------------------
+
+    def _schedule_deactivate(self, pool: _Pool, member: str, gen: int) -> None:
+        """F1: asynchronous, the caller never waits. At most one pending task per member: a later
+        cleanup only moves the captured generation forward (the newest "last waiter left")."""
+        st = pool.state
+        if member in st.pending_deactivate:
+            st.pending_deactivate[member] = gen
+            return
+        try:
+            self._spawn(self._deactivate_if_unwanted, pool, member)
+        except ActivatorStopped:
+            return  # shutting down: nothing runs the patch; the member stays as it is
+        st.pending_deactivate[member] = gen
+
+    async def _deactivate_if_unwanted(self, pool: _Pool, member: str) -> None:
+        """Spec §2.7: re-take the lock, re-check, and patch under the same lock."""
+        if self.before_deactivate is not None:
+            await self.before_deactivate(pool.spec.name, member)
+        st = pool.state
+        async with pool.lock:
+            gen = st.pending_deactivate.pop(member, None)
+            if gen is None:
+                return
+            skip = deactivate_skip_reason(st, member, gen)
+            if skip is not None:
+                pool.deactivates_skipped += 1
+                log.debug(
+                    "model pool deactivate skipped",
+                    extra={"pool": pool.spec.name, "member": member, "reason": skip},
+                )
+                return
+            await self._deactivate_locked(pool, member, "model pool deactivate failed")
+
+    async def _deactivate_locked(self, pool: _Pool, member: str, failure_message: str) -> None:
+        """One bounded controller call under the pool lock (deviation from upstream, §8.14: a
+        hung controller must not freeze the pool). A timed-out patch may still have applied."""
+        with trio.move_on_after(self._controller_timeout) as scope:
+            try:
+                await pool.controller.deactivate(member)
+            except Exception as exc:
+                log.warning(
+                    failure_message,
+                    extra={"pool": pool.spec.name, "member": member, "error": repr(exc)},
+                )
+        if scope.cancelled_caught:
+            log.warning(
+                failure_message,
+                extra={
+                    "pool": pool.spec.name,
+                    "member": member,
+                    "error": f"timed out after {self._controller_timeout}s (may still apply)",
+                },
+            )
+
+
+def _now_or_none() -> float | None:
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return None
