@@ -445,10 +445,90 @@ def serve(
     sys.exit(runtime.run(config))
 
 
+@main.command()
+@option(
+    "--http-listen-addr",
+    envvar="STARGATE_DEMO_HTTP_LISTEN_ADDR",
+    type=LISTEN_ADDRESS,
+    default="127.0.0.1:8000",
+    help="The demo replica's HTTP listener (OpenAI-compatible proxy and probes).",
+)
+@option(
+    "--listen-addr",
+    envvar="STARGATE_DEMO_LISTEN_ADDR",
+    type=LISTEN_ADDRESS,
+    default="127.0.0.1:50071",
+    help="The demo replica's control-plane gRPC listener (the Pylons register here).",
+)
+@option(
+    "--model-discovery-listen-addr",
+    envvar="STARGATE_DEMO_MODEL_DISCOVERY_LISTEN_ADDR",
+    type=LISTEN_ADDRESS,
+    default="127.0.0.1:50073",
+    help="The demo replica's model-discovery gRPC listener.",
+)
+@option(
+    "--metrics-port",
+    envvar="STARGATE_DEMO_METRICS_PORT",
+    type=PORT,
+    default=9090,
+    help="The demo replica's Prometheus /metrics port.",
+)
+@option(
+    "--readiness-warmup-ms",
+    envvar="STARGATE_DEMO_READINESS_WARMUP_MS",
+    type=NON_NEGATIVE_INT,
+    default=60_000,
+    help="Upper bound of the demo replica's readiness warmup (0 = ready at start).",
+)
+@option(
+    "--warmup-sample-interval-ms",
+    envvar="STARGATE_DEMO_WARMUP_SAMPLE_INTERVAL_MS",
+    type=POSITIVE_INT,
+    default=1_000,
+    help="How often the demo replica samples its active backend count. Must be > 0.",
+)
+@option(
+    "--warmup-stabilization-window",
+    envvar="STARGATE_DEMO_WARMUP_STABILIZATION_WINDOW",
+    type=POSITIVE_INT,
+    default=5,
+    help="Equal nonzero samples that promote the demo replica early. Must be > 0.",
+)
+def demo(
+    http_listen_addr: ListenAddress,
+    listen_addr: ListenAddress,
+    model_discovery_listen_addr: ListenAddress,
+    metrics_port: int,
+    readiness_warmup_ms: int,
+    warmup_sample_interval_ms: int,
+    warmup_stabilization_window: int,
+) -> None:
+    """Run a replica, two mock engines and two Pylons here; Ctrl-C stops them all."""
+    import trio
+
+    from stargate.demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        http_listen_addr=http_listen_addr,
+        listen_addr=listen_addr,
+        model_discovery_listen_addr=model_discovery_listen_addr,
+        metrics_port=metrics_port,
+        warmup=WarmupConfig(
+            warmup_ms=readiness_warmup_ms,
+            sample_interval_ms=warmup_sample_interval_ms,
+            stabilization_window=warmup_stabilization_window,
+        ),
+    )
+    sys.exit(trio.run(run_demo, config))
+
+
 def _register_subcommands() -> None:
     from stargate.mock.cli import mock_backend_command
+    from stargate.pylon.cli import pylon_command
 
     main.add_command(mock_backend_command)
+    main.add_command(pylon_command)
 
 
 _register_subcommands()

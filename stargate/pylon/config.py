@@ -1,0 +1,176 @@
+"""The Pylon's frozen settings and the pure parsing of its addresses.
+
+`PylonConfig` is what `run_pylon` needs; the CLI builds it from flags. Parsing that needs no
+network (URL schemes, `HOST:PORT` syntax, ranges) lives here so bad input fails at start-up.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+__all__ = [
+    "DEFAULT_HEALTH_PATHS",
+    "DEFAULT_STARGATE_PORT",
+    "DialTarget",
+    "PylonConfig",
+    "PylonConfigError",
+    "default_inference_server_id",
+    "parse_dial_target",
+    "parse_upstream_url",
+]
+
+DEFAULT_STARGATE_PORT = 50071
+DEFAULT_HEALTH_PATHS: tuple[str, ...] = ("/health", "/v1/health/ready")
+
+_HOST_LABEL = r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\.?$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
+
+
+class PylonConfigError(ValueError):
+    """A Pylon setting is malformed; the message says which value and what is expected."""
+
+
+@dataclass(frozen=True, slots=True)
+class DialTarget:
+    """Where a gRPC channel connects: `host:port`, and whether it uses TLS."""
+
+    address: str
+    secure: bool = False
+
+    def __str__(self) -> str:
+        return f"https://{self.address}" if self.secure else self.address
+
+
+def _format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_host(host: str, text: str) -> str:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not _HOSTNAME.match(host):
+        raise PylonConfigError(f"{text!r}: {host!r} is neither an IP address nor a host name")
+    return host.rstrip(".").lower()
+
+
+def parse_dial_target(text: str, *, default_port: int | None = None) -> DialTarget:
+    """Parse a Stargate address: `HOST:PORT`, `[v6]:PORT`, or `http(s)://HOST[:PORT][/...]`.
+
+    `http://` (and `grpc://`) mean plaintext h2c, `https://` (and `grpcs://`) TLS; the path is
+    ignored. A URL without a port uses 80/443; a bare host without a port uses `default_port`
+    (none: the port is required).
+    """
+    value = text.strip()
+    if not value or any(ch.isspace() for ch in value):
+        raise PylonConfigError(f"{text!r} is not a HOST:PORT address (e.g. 127.0.0.1:50071)")
+    scheme = ""
+    if "://" in value:
+        scheme = value.split("://", 1)[0].lower()
+        if scheme not in ("http", "https", "grpc", "grpcs"):
+            raise PylonConfigError(f"{text!r}: scheme must be http, https, grpc or grpcs")
+    try:
+        parts = urlsplit(value if scheme else f"//{value}")
+        host = parts.hostname
+        port = parts.port
+    except ValueError as error:
+        if "port" in str(error).lower():
+            raise PylonConfigError(f"{text!r}: port must be a number from 1 to 65535") from None
+        raise PylonConfigError(f"{text!r} is not a HOST:PORT address: {error}") from None
+    if not host:
+        raise PylonConfigError(f"{text!r} has no host (e.g. 127.0.0.1:50071)")
+    if port is None:
+        port = {"http": 80, "https": 443}.get(scheme, default_port)
+    if port is None:
+        raise PylonConfigError(f"{text!r} has no port (e.g. 127.0.0.1:50071)")
+    if not 1 <= port <= 65535:
+        raise PylonConfigError(f"{text!r}: port must be a number from 1 to 65535")
+    if not scheme and "[" not in value and value.count(":") > 1:
+        raise PylonConfigError(f"{text!r}: an IPv6 address must be written in brackets")
+    canonical = _check_host(host, text)
+    return DialTarget(_format_host_port(canonical, port), secure=scheme in ("https", "grpcs"))
+
+
+def parse_upstream_url(text: str) -> str:
+    """The engine's base URL: `http(s)://host[:port][/prefix]`, without a trailing slash."""
+    value = text.strip()
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as error:
+        raise PylonConfigError(f"{text!r} is not a valid URL: {error}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise PylonConfigError(f"{text!r}: the upstream URL must start with http:// or https://")
+    if not parts.hostname:
+        raise PylonConfigError(f"{text!r}: the upstream URL must include a host")
+    if port == 0:
+        raise PylonConfigError(f"{text!r}: port must be a number from 1 to 65535")
+    if parts.query or parts.fragment:
+        raise PylonConfigError(f"{text!r}: the upstream URL must not have a query or fragment")
+    return value.rstrip("/")
+
+
+def upstream_port(url: str) -> int:
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme.lower() == "https" else 80)
+
+
+def default_inference_server_id(upstream_url: str) -> str:
+    """`<hostname>:<upstream port>`: stable across restarts, unique per engine on one host."""
+    return f"{socket.gethostname()}:{upstream_port(upstream_url)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PylonConfig:
+    """Everything one Pylon sidecar needs (one inference engine, any number of replicas)."""
+
+    upstream_url: str
+    """The engine's base URL (http:// or https://), also sent as `inference_server_url`."""
+    stargates: tuple[DialTarget, ...] = (DialTarget(f"127.0.0.1:{DEFAULT_STARGATE_PORT}"),)
+    """WatchStargates seeds."""
+    model_names: tuple[str, ...] = ()
+    """Models to register; empty = discover them from `GET {upstream}/v1/models`."""
+    model_refresh_ms: int = 5000
+    inference_server_id: str = ""
+    """Empty = `default_inference_server_id(upstream_url)`."""
+    cluster_id: str = ""
+    min_update_interval_ms: int = 1000
+    token_file: Path | None = None
+    upstream_health_paths: tuple[str, ...] = DEFAULT_HEALTH_PATHS
+    upstream_health_wait_ms: int = 60000
+    extra_metadata: tuple[tuple[str, str], ...] = field(default=())
+    """Extra request metadata on registration streams (tests, custom auth)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "upstream_url", parse_upstream_url(self.upstream_url))
+        if not self.inference_server_id:
+            object.__setattr__(
+                self, "inference_server_id", default_inference_server_id(self.upstream_url)
+            )
+        if not self.stargates:
+            raise PylonConfigError("at least one Stargate seed address is required")
+        if self.min_update_interval_ms <= 0:
+            raise PylonConfigError("min_update_interval_ms must be greater than 0")
+        if self.model_refresh_ms <= 0:
+            raise PylonConfigError("model_refresh_ms must be greater than 0")
+        if self.upstream_health_wait_ms < 0:
+            raise PylonConfigError("upstream_health_wait_ms must be >= 0")
+        if not self.upstream_health_paths:
+            raise PylonConfigError("at least one upstream health path is required")
+        for path in self.upstream_health_paths:
+            if not path.startswith("/"):
+                raise PylonConfigError(f"health path {path!r} must start with '/'")
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        return self.min_update_interval_ms / 1000
+
+    @property
+    def model_refresh_seconds(self) -> float:
+        return self.model_refresh_ms / 1000
