@@ -22,6 +22,7 @@ from stargate.config import (
     ControlPlaneConfig,
     DiscoverySettings,
     ListenAddress,
+    PoolSettings,
     ProxyConfig,
     ServeConfig,
     WarmupConfig,
@@ -309,6 +310,29 @@ def main() -> None:
     help="Extra CA certificates (PEM) trusted for https:// backends, besides the system store.",
 )
 @option(
+    "--pool-config",
+    envvar="STARGATE_POOL_CONFIG",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="YAML file of model pools: models sharing one slot, swapped on demand while requests "
+    "for a non-resident member are held. Without it no request is held.",
+)
+@option(
+    "--pool-resync-interval-ms",
+    envvar="STARGATE_POOL_RESYNC_INTERVAL_MS",
+    type=POSITIVE_INT,
+    default=5_000,
+    help="At most this often a pool re-checks which member is resident.",
+)
+@option(
+    "--pool-controller-timeout-ms",
+    envvar="STARGATE_POOL_CONTROLLER_TIMEOUT_MS",
+    type=POSITIVE_INT,
+    default=10_000,
+    help="Timeout of each pool controller call (scale, patch, process start/stop), so a hung "
+    "API server cannot freeze the pools.",
+)
+@option(
     "--metrics-port",
     envvar="STARGATE_METRICS_PORT",
     type=PORT,
@@ -383,6 +407,9 @@ def serve(
     accept_openai_requests: bool,
     lb_config_path: Path | None,
     upstream_ca_file: Path | None,
+    pool_config: Path | None,
+    pool_resync_interval_ms: int,
+    pool_controller_timeout_ms: int,
     metrics_port: int,
     metrics_prefix: str,
     shutdown_drain_timeout_ms: int,
@@ -436,6 +463,11 @@ def serve(
                 accept_openai_requests=accept_openai_requests,
                 lb_config_path=lb_config_path,
                 upstream_ca_file=upstream_ca_file,
+            ),
+            pools=PoolSettings(
+                pool_config_path=pool_config,
+                resync_interval_ms=pool_resync_interval_ms,
+                controller_timeout_ms=pool_controller_timeout_ms,
             ),
         )
     except ConfigError as error:

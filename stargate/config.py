@@ -17,6 +17,7 @@ __all__ = [
     "ControlPlaneConfig",
     "DiscoverySettings",
     "ListenAddress",
+    "PoolSettings",
     "ProxyConfig",
     "ServeConfig",
     "WarmupConfig",
@@ -190,6 +191,19 @@ class ProxyConfig:
             raise ConfigError(f"invalid proxy retry budget header: {header!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """Model pools (the activator): the pool file and the activator's timing."""
+
+    pool_config_path: Path | None = None
+    resync_interval_ms: int = 5_000
+    controller_timeout_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.resync_interval_ms <= 0 or self.controller_timeout_ms <= 0:
+            raise ConfigError("pool resync interval and controller timeout must be > 0")
+
+
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
@@ -209,6 +223,7 @@ class ServeConfig:
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    pools: PoolSettings = field(default_factory=PoolSettings)
 
     def __post_init__(self) -> None:
         if not self.stargate_id:

@@ -29,11 +29,34 @@ from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
 from stargate import __version__, hypercorn_fixes
+from stargate.activator import (
+    Activator,
+    ActivatorMetrics,
+    FakeController,
+    MemberController,
+    MemberReadiness,
+)
+from stargate.activator.config import (
+    KubernetesMember,
+    PoolConfig,
+    PoolConfigError,
+    PoolsConfig,
+    ProcessMember,
+    load_pool_config,
+)
+from stargate.activator.kubernetes import (
+    KubernetesConfigError,
+    KubernetesController,
+    KubernetesTarget,
+    load_api_config,
+)
+from stargate.activator.process import MemberCommand, ProcessController
 from stargate.asgi import InFlight
 from stargate.config import (
     ConfigError,
     ControlPlaneConfig,
     ListenAddress,
+    PoolSettings,
     ProxyConfig,
     ServeConfig,
 )
@@ -52,7 +75,8 @@ from stargate.http_app import create_http_app
 from stargate.metrics import Metrics, metrics_asgi_app
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.router import Router
-from stargate.proxy.upstream import PoolConfig, UpstreamPool
+from stargate.proxy.upstream import PoolConfig as UpstreamPoolConfig
+from stargate.proxy.upstream import UpstreamPool
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 from stargate.routing.lb_config import LbConfig, LbConfigError, default_lb_config, load_lb_config
@@ -64,6 +88,7 @@ log = logging.getLogger(__name__)
 hypercorn_fixes.apply()
 
 LISTEN_BACKLOG = 1024
+STOP_POOL_MEMBERS_SECONDS = 15.0
 
 
 class StartupError(RuntimeError):
@@ -157,13 +182,24 @@ class Replica:
         self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         proxy = config.proxy
         self.pool = UpstreamPool(
-            PoolConfig(
+            UpstreamPoolConfig(
                 connect_timeout=proxy.connect_timeout_ms / 1000,
                 response_head_timeout=proxy.response_header_timeout_ms / 1000,
                 ca_file=None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file),
             )
         )
-        self.router = Router(self.routing, self.pool, proxy, _lb_config(proxy), self.metrics.proxy)
+        self.router = Router(
+            self.routing,
+            self.pool,
+            proxy,
+            _lb_config(proxy),
+            self.metrics.proxy,
+            on_connect_failure=self._invalidate_pool_resident,
+        )
+        self.member_readiness = MemberReadiness()
+        self.pools = _pool_config(config.pools)
+        self.activator: Activator | None = None
+        self._pool_controllers: list[MemberController] = []
         control = config.control_plane
         self.registrations = RegistrationService(
             self.routing,
@@ -192,6 +228,7 @@ class Replica:
         self._failed = False
         self._drained = False
         self._in_flight = InFlight()
+        self._proxy: ProxyApp | None = None
 
     @property
     def shutting_down(self) -> bool:
@@ -258,12 +295,7 @@ class Replica:
         servers: list[tuple[str, ASGIApp, socket.socket]] = [
             (
                 "HTTP server",
-                ProxyApp(
-                    self.router,
-                    config.proxy,
-                    self.metrics.proxy,
-                    fallback=cast(ASGIApp, self.http_app),
-                ),
+                functools.partial(self._proxy_app),
                 http_sock,
             ),
             (
@@ -293,6 +325,8 @@ class Replica:
                         self.readiness.run_warmup, self.routing.total_active_backend_count
                     )
                 await services.start(self._critical, "WatchStargates publisher", self.publisher.run)
+                services.start_soon(self._expire_idle_upstream_connections)
+                self.activator = await self._start_activator(services)
                 for name, app, sock in servers:
                     serve = functools.partial(
                         serve_asgi,
@@ -313,6 +347,11 @@ class Replica:
                 task_status.started(bound)
         finally:
             with trio.CancelScope(shield=True):
+                for controller in self._pool_controllers:
+                    close = getattr(controller, "aclose", None)
+                    if close is not None:
+                        with trio.move_on_after(STOP_POOL_MEMBERS_SECONDS):
+                            await close()
                 await self._health_client.aclose()
                 await self.pool.aclose()
 
@@ -344,6 +383,92 @@ class Replica:
                 self._failed = True
                 self.begin_shutdown()
 
+    async def _proxy_app(self, scope: Any, receive: Any, send: Any) -> None:
+        """The HTTP listener's app; built on first use, once the activator (if any) exists."""
+        if self._proxy is None:
+            self._proxy = ProxyApp(
+                self.router,
+                self.config.proxy,
+                self.metrics.proxy,
+                fallback=cast(ASGIApp, self.http_app),
+                activator=self.activator,
+            )
+        await self._proxy(scope, receive, send)
+
+    async def _start_activator(self, services: trio.Nursery) -> Activator | None:
+        """Build the pools' controllers and run the activator in the service nursery."""
+        if self.pools is None:
+            return None
+        settings = self.config.pools
+        controllers: dict[str, MemberController] = {}
+        for pool in self.pools.pools:
+            controller = self._controller(pool, services)
+            controllers[pool.pool.name] = controller
+            self._pool_controllers.append(controller)
+        members = [member for pool in self.pools.pools for member in pool.pool.members]
+        self.member_readiness.seed(
+            members, lambda model: self.routing.active_backend_count(RoutingTargetKey(None, model))
+        )
+        activator = Activator(
+            self.pools.pool_specs,
+            controllers,
+            self.member_readiness,
+            metrics=ActivatorMetrics.create(self.registry),
+            router_name=self.config.stargate_id,
+            response_header_timeout=self.config.proxy.response_header_timeout_ms / 1000,
+            resync_interval=settings.resync_interval_ms / 1000,
+            controller_timeout=settings.controller_timeout_ms / 1000,
+        )
+        await services.start(activator.run)
+        log.info("model pools enabled: %s", ", ".join(p.pool.name for p in self.pools.pools))
+        return activator
+
+    def _controller(self, pool: PoolConfig, services: trio.Nursery) -> MemberController:
+        spec = pool.controller
+        name = pool.pool.name
+        if spec.kind == "process":
+            commands = {
+                member: MemberCommand(entry.command, entry.health_path)
+                for member, entry in spec.members.items()
+                if isinstance(entry, ProcessMember)
+            }
+            timeouts = [
+                entry.startup_timeout
+                for entry in spec.members.values()
+                if isinstance(entry, ProcessMember) and entry.startup_timeout is not None
+            ]
+            return ProcessController(
+                name,
+                commands,
+                self.routing,
+                services,
+                health_client=self._health_client,
+                startup_timeout=max(timeouts, default=300.0),
+            )
+        if spec.kind == "kubernetes":
+            try:
+                api = load_api_config()
+            except KubernetesConfigError as error:
+                raise StartupError(f"pool {name!r}: {error}") from error
+            targets = {
+                member: KubernetesTarget(entry.kind, entry.name, entry.api_version, entry.plural)
+                for member, entry in spec.members.items()
+                if isinstance(entry, KubernetesMember)
+            }
+            return KubernetesController(
+                name,
+                spec.namespace or api.namespace or "default",
+                targets,
+                api,
+                request_timeout=self.config.pools.controller_timeout_ms / 1000,
+            )
+        return FakeController(self.member_readiness, pool.pool.members)
+
+    def _invalidate_pool_resident(self, model_id: str) -> None:
+        """A pooled backend refused a connection: its pool must re-check which member is up."""
+        if self.activator is not None and (pool := self.activator.pool_of(model_id)):
+            self.activator.invalidate_resident(pool)
+
     async def _expire_idle_upstream_connections(self) -> None:
         """Close idle backend connections past their expiry, so a backend that gets no more
         traffic does not keep sockets open until shutdown."""
@@ -361,6 +486,7 @@ class Replica:
 
     def _publish_target_count(self, target: RoutingTargetKey, count: int) -> None:
         self.metrics.set_active_inference_servers(target.routing_key, target.model_id, count)
+        self.member_readiness.on_target_count(target, count)
         if count == 0:
             self.router.forget_target(target)
 
@@ -393,6 +519,16 @@ def _bind_all(listeners: list[tuple[str, ListenAddress]]) -> list[socket.socket]
             sock.close()
         raise
     return bound
+
+
+def _pool_config(settings: PoolSettings) -> PoolsConfig | None:
+    """The pool file, validated at construction so a bad file fails before anything binds."""
+    if settings.pool_config_path is None:
+        return None
+    try:
+        return load_pool_config(settings.pool_config_path)
+    except PoolConfigError as error:
+        raise StartupError(f"invalid pool config: {error}") from error
 
 
 def _lb_config(config: ProxyConfig) -> LbConfig:
@@ -474,7 +610,11 @@ async def _watch_signals(signals: AsyncIterator[int], replica: Replica) -> None:
 
 
 async def _main(config: ServeConfig) -> int:
-    replica = Replica(config)
+    try:
+        replica = Replica(config)
+    except StartupError as error:
+        log.error("%s", error)
+        return 1
     code = 1
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         try:
@@ -483,8 +623,8 @@ async def _main(config: ServeConfig) -> int:
                 code = await replica.run()
                 nursery.cancel_scope.cancel()
         except* StartupError as group:
-            for error in group.exceptions:
-                log.error("%s", error)
+            for failure in group.exceptions:
+                log.error("%s", failure)
     return code
 
 

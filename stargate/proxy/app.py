@@ -13,10 +13,12 @@ without its final chunk (the connection is closed), so the client can tell.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import trio
 
+from stargate.activator import Activator, ActivatorError, Grant
 from stargate.asgi import ASGIApp, ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ProxyConfig
 from stargate.metrics import ProxyMetrics
@@ -49,9 +51,16 @@ class ProxyApp:
     """ASGI app: the proxy routes, with `fallback` serving every other path."""
 
     def __init__(
-        self, router: Router, config: ProxyConfig, metrics: ProxyMetrics, fallback: ASGIApp
+        self,
+        router: Router,
+        config: ProxyConfig,
+        metrics: ProxyMetrics,
+        fallback: ASGIApp,
+        *,
+        activator: Activator | None = None,
     ) -> None:
         self._router = router
+        self._activator = activator
         self._config = config
         self._metrics = metrics
         self._fallback = fallback
@@ -97,16 +106,39 @@ class ProxyApp:
         completed = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            outcome = await self._router.forward(request, spec, body)
-            if isinstance(outcome, LocalError):
-                await _respond(send, outcome.error, request)
-                self._count(request, "", outcome.error.status)
+            grant: Grant | None = None
+            try:
+                grant = await self._acquire(request)
+            except ActivatorError as error:
+                await _respond(send, _pool_error(error), request)
+                self._count(request, "", error.status)
             else:
-                await self._stream(send, request, outcome)
+                try:
+                    outcome = await self._router.forward(request, spec, body)
+                    if isinstance(outcome, LocalError):
+                        await _respond(send, outcome.error, request)
+                        self._count(request, "", outcome.error.status)
+                    else:
+                        await self._stream(send, request, outcome)
+                finally:
+                    if grant is not None:
+                        grant.release()  # exactly once, when the response body has ended
             completed = True
             nursery.cancel_scope.cancel()
         if not completed:
             raise _ClientGone
+
+    async def _acquire(self, request: ProxyRequest) -> Grant | None:
+        """Hold a request for a pooled model until its member is resident (None: not pooled).
+
+        Pools are unscoped: a request with a routing key is never held.
+        """
+        activator = self._activator
+        if activator is None or request.routing_key is not None:
+            return None
+        if activator.pool_of(request.model_id) is None:
+            return None
+        return await activator.acquire(request.model_id)
 
     async def _stream(self, send: ASGISend, request: ProxyRequest, outcome: Forwarded) -> None:
         response, backend = outcome.response, outcome.backend
@@ -178,6 +210,15 @@ async def _read_body(receive: ASGIReceive, headers: list[tuple[bytes, bytes]], l
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _pool_error(error: ActivatorError) -> ContractError:
+    """The activator's refusals as OpenAI-style JSON errors (503s carry Retry-After)."""
+    body = json.dumps({"error": {"code": error.code, "message": str(error)}}).encode()
+    headers = [(b"content-type", b"application/json")]
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    return ContractError(error.status, body, headers)
 
 
 async def _respond(

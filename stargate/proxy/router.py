@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import trio
@@ -111,8 +111,10 @@ class Router:
         metrics: ProxyMetrics,
         *,
         rng: random.Random | None = None,
+        on_connect_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._routing = routing
+        self._on_connect_failure = on_connect_failure
         self._pool = pool
         self._config = config
         self._lb_config = lb_config
@@ -255,6 +257,8 @@ class Router:
                 )
                 if isinstance(error, ConnectError):
                     self.demoted.add(backend.inference_server_id)
+                    if self._on_connect_failure is not None:
+                        self._on_connect_failure(request.model_id)  # e.g. a pool's resident died
                 if _expired(budget_deadline):
                     self._metrics.retry_exhausted.labels(
                         reason="retry_budget_exhausted", **labels
