@@ -7,13 +7,29 @@ from typing import Any
 
 import trio
 
-__all__ = ["ASGIApp", "ASGIReceive", "ASGIScope", "ASGISend", "InFlight"]
+__all__ = ["ASGIApp", "ASGIReceive", "ASGIScope", "ASGISend", "InFlight", "answer_lifespan"]
 
 ASGIScope = MutableMapping[str, Any]
 ASGIMessage = MutableMapping[str, Any]
 ASGIReceive = Callable[[], Awaitable[ASGIMessage]]
 ASGISend = Callable[[ASGIMessage], Awaitable[None]]
 ASGIApp = Callable[[ASGIScope, ASGIReceive, ASGISend], Awaitable[None]]
+
+
+async def answer_lifespan(
+    receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+) -> None:
+    """Complete the ASGI lifespan protocol for an app with nothing to start or stop.
+
+    Hypercorn's trio worker fails at start-up on an app that ignores lifespan (stack-notes P9).
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 class InFlight:

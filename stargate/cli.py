@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from stargate import __version__
-from stargate.clitools import comma_list, configure_logging, log_level_option, option
+from stargate.clitools import POSITIVE_INT, comma_list, configure_logging, log_level_option, option
 from stargate.config import (
     ConfigError,
     ControlPlaneConfig,
@@ -49,20 +49,7 @@ class ListenAddressType(click.ParamType[ListenAddress]):
             self.fail(str(error), param, ctx)
 
 
-class PositiveInt(click.ParamType[int]):
-    """An integer that must be greater than 0 (the Rust parser's "value must be greater than 0")."""
-
-    name = "INTEGER"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        number: int = click.INT.convert(value, param, ctx)
-        if number <= 0:
-            self.fail(f"value must be greater than 0, got {number}", param, ctx)
-        return number
-
-
 LISTEN_ADDRESS = ListenAddressType()
-POSITIVE_INT = PositiveInt()
 NON_NEGATIVE_INT = click.IntRange(min=0)
 PORT = click.IntRange(min=0, max=65535)
 

@@ -13,11 +13,33 @@ from typing import Any, TypeVar
 
 import click
 
-__all__ = ["comma_list", "configure_logging", "log_level_option", "option"]
+__all__ = [
+    "POSITIVE_INT",
+    "PositiveInt",
+    "comma_list",
+    "configure_logging",
+    "log_level_option",
+    "option",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class PositiveInt(click.ParamType[int]):
+    """An integer that must be greater than 0 (the Rust parser's "value must be greater than 0")."""
+
+    name = "INTEGER"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        number: int = click.INT.convert(value, param, ctx)
+        if number <= 0:
+            self.fail(f"value must be greater than 0, got {number}", param, ctx)
+        return number
+
+
+POSITIVE_INT = PositiveInt()
 
 
 def option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:

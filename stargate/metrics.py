@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from stargate.asgi import answer_lifespan
+
 __all__ = ["Metrics", "ProxyMetrics", "ReadinessMetrics", "metrics_asgi_app"]
 
 # `_created` series double the exposition for no operator value; the Rust replica has none.
@@ -228,13 +230,8 @@ def metrics_asgi_app(
 
     async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         if scope["path"] != "/metrics":

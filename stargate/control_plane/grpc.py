@@ -57,6 +57,8 @@ from typing import Any, Generic, Literal, TypeVar
 import trio
 from google.protobuf.message import DecodeError, Message
 
+from stargate.asgi import answer_lifespan
+
 __all__ = [
     "GrpcApp",
     "GrpcError",
@@ -273,7 +275,7 @@ class GrpcApp:
         """
         if scope["type"] == "lifespan":
             # Hypercorn-trio crashes at startup on an app that ignores lifespan (stack-notes P9).
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             # An HTTP/2 extended CONNECT arrives as a websocket scope: refuse it (403).
@@ -608,16 +610,6 @@ class _Deframer:
             name = self._type.DESCRIPTOR.full_name
             raise GrpcError(GrpcStatus.INTERNAL, f"failed to decode {name}: {error}") from None
         return message
-
-
-async def _lifespan(receive: ASGIReceive, send: ASGISend) -> None:
-    while True:
-        event = await receive()
-        if event["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif event["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 async def _plain_response(

@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.mock import shapes
 from stargate.mock.control import ControlError, Counters, FailNext, Knobs, apply_control
 from stargate.mock.shapes import RequestError
@@ -128,17 +128,6 @@ def _received_headers(scope: ASGIScope) -> dict[str, str]:
     return headers
 
 
-async def _lifespan(receive: ASGIReceive, send: ASGISend) -> None:
-    # Hypercorn's trio worker fails at start-up on an app that ignores lifespan (stack-notes P9).
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
 async def _read_body(receive: ASGIReceive) -> bytes | None:
     """The whole request body, or None if the client went away or sent too much."""
     message = await receive()
@@ -185,7 +174,7 @@ class MockBackend:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
 
     async def _http(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         counters = self.counters

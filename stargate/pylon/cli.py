@@ -14,12 +14,11 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import click
 import trio
 
-from stargate.clitools import comma_list, configure_logging, log_level_option, option
+from stargate.clitools import POSITIVE_INT, comma_list, configure_logging, log_level_option, option
 from stargate.pylon.config import (
     DEFAULT_HEALTH_PATHS,
     DEFAULT_STARGATE_PORT,
@@ -36,19 +35,6 @@ __all__ = ["pylon_command"]
 log = logging.getLogger("stargate.pylon")
 
 THREAD_JOIN_SECONDS = 2.0
-
-
-class PositiveInt(click.ParamType[int]):
-    name = "INTEGER"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        number: int = click.INT.convert(value, param, ctx)
-        if number <= 0:
-            self.fail(f"value must be greater than 0, got {number}", param, ctx)
-        return number
-
-
-POSITIVE_INT = PositiveInt()
 
 
 def _upstream(ctx: click.Context, param: click.Parameter, value: str) -> str:
