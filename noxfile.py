@@ -46,3 +46,13 @@ def bench(session: nox.Session) -> None:
         session.error("usage: nox -s bench -- proxy [--quick] [options; see --help]")
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks.proxy", *session.posargs[1:])
+
+
+@nox.session(python=PYTHON)
+def helm(session: nox.Session) -> None:
+    """The Helm chart, offline: render, values schema, kubernetes-validate --strict, yamllint."""
+    session.install(
+        "helm-python-sdk==0.2.2", "kubernetes-validate==1.37.0", "yamllint", "pyyaml", "pytest"
+    )
+    session.install("-e", ".")
+    session.run("pytest", "tests/test_helm_chart.py", "-q", *session.posargs)

@@ -1,0 +1,201 @@
+{{/*
+Names and labels.
+*/}}
+{{- define "stargate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stargate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "stargate.headlessName" -}}
+{{- printf "%s-headless" (include "stargate.fullname" . | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "stargate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stargate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stargate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "stargate.labels" -}}
+helm.sh/chart: {{ include "stargate.chart" . }}
+{{ include "stargate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "stargate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "stargate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "stargate.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The headless Service's FQDN: its A records are the replicas (peer discovery). */}}
+{{- define "stargate.discoveryDnsName" -}}
+{{- printf "%s.%s.svc.%s" (include "stargate.headlessName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/*
+"stargate.int": a number as plain decimal digits. Helm decodes every number in values as
+float64, and `{{ 1000000.0 }}` prints `1e+06`, which a strict integer CLI rejects. Integral
+floats are printed with %d; anything else (a fraction, a string) is printed as is so that the
+CLI, not the chart, rejects it.
+*/}}
+{{- define "stargate.int" -}}
+{{- if kindIs "float64" . }}
+{{- if eq (float64 (int64 .)) . }}{{ printf "%d" (int64 .) }}{{ else }}{{ printf "%v" . }}{{ end }}
+{{- else if kindIs "bool" . }}
+{{- printf "%t" . }}
+{{- else }}
+{{- printf "%v" . }}
+{{- end }}
+{{- end }}
+
+{{/* Pool config file contents (a map rendered with toYaml, or a YAML string verbatim). */}}
+{{- define "stargate.poolConfig" -}}
+{{- if kindIs "string" .Values.pools.config }}
+{{- .Values.pools.config }}
+{{- else }}
+{{- toYaml .Values.pools.config }}
+{{- end }}
+{{- end }}
+
+{{/*
+Render-time guards (fail early instead of producing a broken release).
+*/}}
+{{- define "stargate.validate" -}}
+{{- $s := .Values.serve }}
+{{- if and .Values.pools.enabled (not (kindIs "invalid" $s.poolConfig)) }}
+{{- fail "serve.poolConfig cannot be set when pools.enabled is true (the chart passes --pool-config=/etc/stargate/pools.yaml)" }}
+{{- end }}
+{{- if and .Values.pools.enabled (empty .Values.pools.config) }}
+{{- fail "pools.enabled requires pools.config (the --pool-config file contents)" }}
+{{- end }}
+{{- if and (gt (int64 .Values.replicaCount) 1) (eq (toString $s.disableDnsDiscovery) "true") }}
+{{- fail "serve.disableDnsDiscovery cannot be true when replicaCount is greater than 1; multi-replica routers require DNS discovery" }}
+{{- end }}
+{{- if .Values.podDisruptionBudget.enabled }}
+{{- $max := not (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable) }}
+{{- $min := not (kindIs "invalid" .Values.podDisruptionBudget.minAvailable) }}
+{{- if eq $max $min }}
+{{- fail "podDisruptionBudget: set exactly one of maxUnavailable and minAvailable" }}
+{{- end }}
+{{- end }}
+{{- /* minReadySeconds must cover the warmup stability window (anchors: Istio #21228). */}}
+{{- $r := .Values.readiness }}
+{{- $warmup := ternary 60000 $r.warmupMs (kindIs "invalid" $r.warmupMs) | int64 }}
+{{- $interval := ternary 1000 $r.warmupSampleIntervalMs (kindIs "invalid" $r.warmupSampleIntervalMs) | int64 }}
+{{- $window := ternary 5 $r.warmupStabilizationWindow (kindIs "invalid" $r.warmupStabilizationWindow) | int64 }}
+{{- $stability := min $warmup (mul $interval $window) }}
+{{- if gt $stability (mul (int64 .Values.minReadySeconds) 1000) }}
+{{- fail (printf "minReadySeconds (%d) must cover the readiness warmup stability window (%d ms = readiness.warmupSampleIntervalMs x readiness.warmupStabilizationWindow, capped by readiness.warmupMs)" (int64 .Values.minReadySeconds) $stability) }}
+{{- end }}
+{{- end }}
+
+{{/*
+"stargate.args": the `stargate serve` arguments as a JSON list. Chart-managed flags first, then
+every `readiness` and `serve` key that is present (not null), then extraArgs. Presence, not
+truthiness, decides: 0, false and "" are rendered.
+*/}}
+{{- define "stargate.args" -}}
+{{- $v := .Values }}
+{{- $s := $v.serve }}
+{{- $r := $v.readiness }}
+{{- $args := list }}
+{{- $args = append $args (printf "--stargate-id=%s" (ternary "$(POD_NAME)" (toString $s.stargateId) (kindIs "invalid" $s.stargateId))) }}
+{{- $args = append $args (printf "--http-listen-addr=0.0.0.0:%s" (include "stargate.int" $v.ports.http)) }}
+{{- $args = append $args (printf "--listen-addr=0.0.0.0:%s" (include "stargate.int" $v.ports.grpc)) }}
+{{- $args = append $args (printf "--model-discovery-listen-addr=0.0.0.0:%s" (include "stargate.int" $v.ports.discovery)) }}
+{{- $advertise := printf "$(POD_IP):%s" (include "stargate.int" $v.ports.grpc) }}
+{{- $args = append $args (printf "--advertise-addr=%s" (ternary $advertise (toString $s.advertiseAddr) (kindIs "invalid" $s.advertiseAddr))) }}
+{{- /* Static discovery (serve.peer) replaces the DNS name unless one is set explicitly. */}}
+{{- if not (kindIs "invalid" $s.stargateDiscoveryDnsName) }}
+{{- $args = append $args (printf "--stargate-discovery-dns-name=%s" $s.stargateDiscoveryDnsName) }}
+{{- else if empty $s.peer }}
+{{- $args = append $args (printf "--stargate-discovery-dns-name=%s" (include "stargate.discoveryDnsName" .)) }}
+{{- end }}
+{{- $args = append $args (printf "--metrics-port=%s" (include "stargate.int" $v.ports.metrics)) }}
+{{- $args = append $args (printf "--shutdown-drain-timeout-ms=%s" (include "stargate.int" $v.shutdown.drainTimeoutMs)) }}
+{{- range $pair := list (list "warmupMs" "--readiness-warmup-ms") (list "warmupSampleIntervalMs" "--warmup-sample-interval-ms") (list "warmupStabilizationWindow" "--warmup-stabilization-window") }}
+{{- $val := index $r (index $pair 0) }}
+{{- if not (kindIs "invalid" $val) }}
+{{- $args = append $args (printf "%s=%s" (index $pair 1) (include "stargate.int" $val)) }}
+{{- end }}
+{{- end }}
+{{- if $v.pools.enabled }}
+{{- $args = append $args "--pool-config=/etc/stargate/pools.yaml" }}
+{{- end }}
+{{- /* [key, flag, kind]: value = --flag=<v>; switch = bare --flag when true; list = one --flag=<item> each */}}
+{{- $flags := list
+  (list "peer" "--peer" "list")
+  (list "disableDnsDiscovery" "--disable-dns-discovery" "switch")
+  (list "dnsPollMs" "--dns-poll-ms" "value")
+  (list "watchHeartbeatMs" "--watch-heartbeat-ms" "value")
+  (list "remoteStargateUrl" "--remote-stargate-url" "list")
+  (list "grpcPylonDialAddr" "--grpc-pylon-dial-addr" "value")
+  (list "registrationUpdateIdleTimeoutMs" "--registration-update-idle-timeout-ms" "value")
+  (list "registrationUpdateMaxIdleTimeoutMs" "--registration-update-max-idle-timeout-ms" "value")
+  (list "grpcMaxMessageBytes" "--grpc-max-message-bytes" "value")
+  (list "workerAuthEndpoint" "--worker-auth-endpoint" "value")
+  (list "registrationTokenFile" "--registration-token-file" "value")
+  (list "healthCheckTimeoutMs" "--health-check-timeout-ms" "value")
+  (list "backendConnectivity" "--backend-connectivity" "value")
+  (list "proxyMaxConnectRetries" "--proxy-max-connect-retries" "value")
+  (list "proxyMaxRequestRetries" "--proxy-max-request-retries" "value")
+  (list "proxyMaxReplayBodyBytes" "--proxy-max-replay-body-bytes" "value")
+  (list "proxyRequirePylonRetrySignal" "--proxy-require-pylon-retry-signal" "value")
+  (list "proxyRetryBudgetHeader" "--proxy-retry-budget-header" "value")
+  (list "proxyResponseHeaderTimeoutMs" "--proxy-response-header-timeout-ms" "value")
+  (list "proxyConnectTimeoutMs" "--proxy-connect-timeout-ms" "value")
+  (list "acceptOpenaiRequests" "--accept-openai-requests" "switch")
+  (list "lbConfigPath" "--lb-config-path" "value")
+  (list "upstreamCaFile" "--upstream-ca-file" "value")
+  (list "poolConfig" "--pool-config" "value")
+  (list "poolResyncIntervalMs" "--pool-resync-interval-ms" "value")
+  (list "poolControllerTimeoutMs" "--pool-controller-timeout-ms" "value")
+  (list "metricsPrefix" "--metrics-prefix" "value")
+  (list "logLevel" "--log-level" "value")
+}}
+{{- range $f := $flags }}
+{{- $val := index $s (index $f 0) }}
+{{- $flag := index $f 1 }}
+{{- $kind := index $f 2 }}
+{{- if not (kindIs "invalid" $val) }}
+{{- if eq $kind "switch" }}
+{{- if eq (toString $val) "true" }}
+{{- $args = append $args $flag }}
+{{- end }}
+{{- else if eq $kind "list" }}
+{{- range $item := $val }}
+{{- $args = append $args (printf "%s=%s" $flag (include "stargate.int" $item)) }}
+{{- end }}
+{{- else }}
+{{- $args = append $args (printf "%s=%s" $flag (include "stargate.int" $val)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $extra := $v.extraArgs }}
+{{- $args = append $args (include "stargate.int" $extra) }}
+{{- end }}
+{{- toJson $args }}
+{{- end }}
