@@ -9,6 +9,11 @@ issue, and covered by a test that fails without it.
   sending a body the app answers before reading. The fix drops such DATA frames, still returning
   their bytes to the flow-control window so the connection's other streams keep flowing, and
   resets the stream with NO_ERROR (RFC 9113 §8.1) so the client stops sending.
+* HTTP/2 back-pressure: `StreamBuffer.pop` releases a writer paused at the high-water mark
+  whenever *the popped chunk* is small, including the zero-length pops made while the peer's
+  flow-control window is 0. A client that stops reading therefore never pauses the app, and the
+  server buffers the whole response in memory. The fix releases the writer only once *what is
+  left in the buffer* is below the low-water mark.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 import h2.errors
 import h2.events
 import h2.exceptions
-from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h2 import BUFFER_LOW_WATER, H2Protocol, StreamBuffer
 
 __all__ = ["apply"]
 
@@ -52,3 +57,15 @@ def apply() -> None:
         await self._flush()
 
     H2Protocol._handle_events = handle_events  # type: ignore[method-assign]
+
+    async def pop(self: StreamBuffer, max_length: int) -> bytes:
+        length = min(len(self.buffer), max_length)
+        data = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        if len(self.buffer) < BUFFER_LOW_WATER:  # upstream tests len(data): see the docstring
+            await self._paused.set()
+        if len(self.buffer) == 0:
+            await self._is_empty.set()
+        return data
+
+    StreamBuffer.pop = pop  # type: ignore[method-assign]
