@@ -469,3 +469,40 @@ def test_input_work_admission_and_power_of_n_preference(tmp_path: Path) -> None:
         replica.close()
         idle.stop()
         busy.stop()
+
+
+async def test_reservations_spread_concurrent_streams_with_power_of_n(
+    tmp_path: Path, backends: list[MockBackendProcess]
+) -> None:
+    # Two equal clusters that never heartbeat again: without reservations power-of-n would see
+    # identical stats for every request; with them, each attempt makes its cluster look busier
+    # (+10 queued tokens = +100 ms at 100 TPS) until the backend's next heartbeat, which here never
+    # comes, so the choice alternates.
+    replica = start_proxy_replica(tmp_path)
+    try:
+        replica.register("even-0", backends[0].url, ["model-a"], last_mean_input_tps=100.0)
+        replica.register("even-1", backends[1].url, ["model-a"], last_mean_input_tps=100.0)
+        for backend in backends:
+            backend.control(inter_token_ms=300, tokens=4)  # ~1 s per stream
+        served: list[str] = []
+
+        async def one(client: httpx.AsyncClient, index: int) -> None:
+            headers = {**HEADERS, "x-request-id": f"r-{index}", "x-routing-method": "power-of-n"}
+            async with client.stream(
+                "POST", "/v1/chat/completions", headers=headers, json={**CHAT, "stream": True}
+            ) as response:
+                assert response.status_code == 200
+                served.append(response.headers["x-inference-server-id"])
+                lines = [line async for line in response.aiter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+
+        async with (
+            httpx.AsyncClient(base_url=replica.base, timeout=20) as client,
+            trio.open_nursery() as nursery,
+        ):
+            for index in range(6):
+                nursery.start_soon(one, client, index)
+        assert sorted(set(served)) == ["even-0", "even-1"], served
+        assert min(served.count("even-0"), served.count("even-1")) >= 2, served
+    finally:
+        replica.close()

@@ -242,6 +242,15 @@ class Router:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
             server_labels = {"inference_server_id": backend.inference_server_id, **labels}
+            # Each attempt adds its own reservation (§2.3); only a queue-estimate mismatch
+            # releases it early, otherwise the backend's next heartbeat does.
+            reservation = self._routing.reserve(
+                target,
+                cluster.cluster_id,
+                backend.registration,
+                request.input_tokens,
+                request.priority,
+            )
             headers = _attempt_headers(request.headers, cluster, request.priority)
             url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
             self._metrics.replay_buffer_bytes.labels(model=request.model_id).observe(len(body))
@@ -278,6 +287,8 @@ class Router:
             ).inc()
             self._metrics.duration.labels(**server_labels).observe(trio.current_time() - start)
             reason = self._retry_reason(response)
+            if reservation is not None and _is_queue_estimate_mismatch(response):
+                self._routing.release(reservation)
             if reason is None:
                 return Forwarded(response, backend)
             if _expired(budget_deadline):
@@ -310,6 +321,18 @@ class Router:
         raw = first_header(response.headers, b"x-stargate-retry-reason")
         reason = raw.decode("latin-1").strip() if raw else ""
         return reason or DEFAULT_RETRY_REASON
+
+
+def _is_queue_estimate_mismatch(response: UpstreamResponse) -> bool:
+    """A Pylon's explicit "my queue is not what you estimated" 429 (§2.4 step 4): the one
+    response that releases its attempt's reservation, whether or not a retry follows."""
+    if response.status != 429:
+        return False
+    signal = first_header(response.headers, b"x-stargate-retryable")
+    if signal is None or signal.strip().lower() != b"true":
+        return False
+    raw = first_header(response.headers, b"x-stargate-retry-reason")
+    return raw is not None and raw.decode("latin-1").strip() == QUEUE_ESTIMATE_MISMATCH
 
 
 def _expired(deadline: float | None) -> bool:

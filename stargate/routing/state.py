@@ -24,7 +24,12 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stargate.routing.stats import ModelStats, aggregate_stats, mean_rtt_seconds
+from stargate.routing.stats import (
+    ModelStats,
+    aggregate_stats,
+    apply_reservations,
+    mean_rtt_seconds,
+)
 
 __all__ = [
     "AlreadyRegistered",
@@ -34,6 +39,7 @@ __all__ = [
     "ClusterSnapshot",
     "Registration",
     "RegistrationIdentity",
+    "Reservation",
     "RoutingState",
     "RoutingTargetKey",
     "TargetSnapshot",
@@ -161,14 +167,63 @@ class TargetSnapshot:
         return sum(cluster.active_backend_count for cluster in self.clusters)
 
 
+class Reservation:
+    """A pending request on one backend of one cluster of one target (spec §3.5): a handle for
+    `RoutingState.release`. Compared by identity. `active` turns False exactly once: on release,
+    on the backend's next heartbeat for the target, or when the backend leaves the cluster."""
+
+    __slots__ = ("_cluster", "_target", "active", "input_tokens", "priority", "registration")
+
+    def __init__(
+        self,
+        registration: Registration,
+        input_tokens: int,
+        priority: int,
+        target: _Target,
+        cluster: _Cluster,
+    ) -> None:
+        self.registration = registration
+        self.input_tokens = input_tokens
+        self.priority = priority
+        self.active = True
+        self._target = target
+        self._cluster = cluster
+
+    @property
+    def inference_server_id(self) -> str:
+        return self.registration.identity.inference_server_id
+
+    @property
+    def cluster_id(self) -> str:
+        return self.registration.identity.cluster_id
+
+    def _deactivate(self) -> None:
+        """Drop out of the cluster's pending set and invalidate the cached snapshots."""
+        if not self.active:
+            return
+        self.active = False
+        cluster = self._cluster
+        cluster.pending.pop(self, None)
+        cluster.view = None
+        self._target.snapshot = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Reservation({self.inference_server_id!r}, tokens={self.input_tokens}, "
+            f"priority={self.priority}, active={self.active})"
+        )
+
+
 class _Cluster:
-    __slots__ = ("backends", "generation", "snapshot", "source_id")
+    __slots__ = ("backends", "generation", "pending", "snapshot", "source_id", "view")
 
     def __init__(self, generation: ClusterGeneration) -> None:
         self.generation = generation
         self.backends: dict[str, BackendSnapshot] = {}
         self.source_id: str | None = None
-        self.snapshot: ClusterSnapshot | None = None
+        self.snapshot: ClusterSnapshot | None = None  # the base: aggregated, no reservations
+        self.pending: dict[Reservation, None] = {}  # insertion-ordered set of active reservations
+        self.view: ClusterSnapshot | None = None  # cached base + pending; None = recompute
 
     def refresh(self) -> None:
         """Recompute the cluster snapshot after an insert, replace or removal (spec §3.4)."""
@@ -186,6 +241,39 @@ class _Cluster:
             received_at=source.received_at,
             backends=ordered,
         )
+        self.view = None
+
+    def current(self) -> ClusterSnapshot | None:
+        """The base snapshot with every pending reservation applied (cached until either
+        changes)."""
+        if self.view is None and self.snapshot is not None:
+            base = self.snapshot
+            if self.pending:
+                stats = apply_reservations(
+                    base.stats, [(r.input_tokens, r.priority) for r in self.pending]
+                )
+                self.view = ClusterSnapshot(
+                    cluster_id=base.cluster_id,
+                    stats=stats,
+                    rtt_seconds=base.rtt_seconds,
+                    received_at=base.received_at,
+                    backends=base.backends,
+                )
+            else:
+                self.view = base
+        return self.view
+
+    def release_backend(self, inference_server_id: str) -> None:
+        """Drop every pending reservation on one backend (its heartbeat arrived, or it left)."""
+        for reservation in [
+            r for r in self.pending if r.inference_server_id == inference_server_id
+        ]:
+            reservation._deactivate()
+
+    def release_all(self) -> None:
+        """The cluster is dropped: none of its reservations can apply any more."""
+        for reservation in list(self.pending):
+            reservation._deactivate()
 
 
 class _Target:
@@ -303,14 +391,14 @@ class RoutingState:
     # ---- reads ----------------------------------------------------------------------------------
 
     def snapshot(self, target: RoutingTargetKey) -> TargetSnapshot | None:
-        """Every cluster of `target` now, or None if it has no active backend."""
+        """Every cluster of `target` now, with pending reservations applied (spec §3.5, §3.6),
+        or None if it has no active backend."""
         state = self._targets.get(target)
         if state is None:
             return None
         if state.snapshot is None:
-            clusters = tuple(
-                cluster.snapshot for cluster in state.clusters.values() if cluster.snapshot
-            )
+            views = (cluster.current() for cluster in state.clusters.values())
+            clusters = tuple(view for view in views if view is not None)
             state.snapshot = TargetSnapshot(target, clusters)
         return state.snapshot
 
@@ -353,6 +441,41 @@ class RoutingState:
         """Model ids with an active backend under any routing key, sorted and unique."""
         return sorted({target.model_id for target in self._targets})
 
+    # ---- reservations (spec §3.5) ---------------------------------------------------------------
+
+    def reserve(
+        self,
+        target: RoutingTargetKey,
+        cluster_id: str,
+        registration: Registration,
+        input_tokens: int,
+        priority: int,
+    ) -> Reservation | None:
+        """Add a pending request of `input_tokens` at `priority` to one cluster of `target`, on
+        `registration`'s backend; every snapshot of the target counts it until it is released.
+
+        None (nothing reserved) unless that exact registration's backend is still stored in that
+        cluster of that target.
+        """
+        state = self._targets.get(target)
+        if state is None:
+            return None
+        cluster = state.clusters.get(cluster_id)
+        if cluster is None or cluster.generation is not registration.cluster:
+            return None
+        entry = cluster.backends.get(registration.identity.inference_server_id)
+        if entry is None or entry.registration is not registration:
+            return None
+        reservation = Reservation(registration, input_tokens, priority, state, cluster)
+        cluster.pending[reservation] = None
+        cluster.view = None
+        state.snapshot = None
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Stop counting `reservation` (idempotent; a no-op once it already went away)."""
+        reservation._deactivate()
+
     # ---- internals ------------------------------------------------------------------------------
 
     def _unadvertise(self, target: RoutingTargetKey) -> None:
@@ -375,7 +498,12 @@ class RoutingState:
                 # Two live generations of one cluster in one target cannot happen: generations are
                 # keyed by (routing key, cluster id), the same key as the target's cluster map.
                 raise AssertionError(f"two live generations of cluster {identity.cluster_id!r}")
+            if cluster is not None:
+                cluster.release_all()
             cluster = state.clusters[identity.cluster_id] = _Cluster(registration.cluster)
+        else:
+            # A new heartbeat from this backend supersedes its reservations (spec §3.5).
+            cluster.release_backend(identity.inference_server_id)
         cluster.backends[identity.inference_server_id] = BackendSnapshot(
             registration, route.stats, route.rtt_ns, route.received_at
         )
@@ -396,11 +524,13 @@ class RoutingState:
             if not cluster.generation.retired:
                 return
             del state.clusters[identity.cluster_id]  # stale: drop the whole retired cluster
+            cluster.release_all()
         else:
             entry = cluster.backends.get(identity.inference_server_id)
             if entry is None or entry.registration is not registration:
                 return
             del cluster.backends[identity.inference_server_id]
+            cluster.release_backend(identity.inference_server_id)
             if cluster.backends:
                 cluster.refresh()
             else:

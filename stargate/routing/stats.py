@@ -9,10 +9,21 @@ others are taken whole from one "source" backend (the one updated last), and RTT
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Final
 
-__all__ = ["ModelStats", "aggregate_stats", "mean_rtt_seconds"]
+__all__ = [
+    "U64_MAX",
+    "ModelStats",
+    "aggregate_stats",
+    "apply_reservations",
+    "mean_rtt_seconds",
+    "reservation_delta_ms",
+]
+
+U64_MAX: Final = 2**64 - 1
+_U64_MAX_AS_FLOAT: Final = float(2**64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +92,64 @@ def mean_rtt_seconds(rtts_ns: Sequence[int]) -> float:
     if not rtts_ns:
         return 0.0
     return (sum(rtts_ns) // len(rtts_ns)) / 1e9
+
+
+def reservation_delta_ms(input_tokens: int, last_mean_input_tps: float) -> int | None:
+    """The queue time one pending request adds: ceil(tokens / tps * 1000) ms (spec §3.5).
+
+    0 for no tokens (whatever the TPS); None when the TPS is not finite and positive or the result
+    is not representable as a u64. (The same rule as `balancers.queue_time_delta_ms`, kept here so
+    the routing state does not import the balancers.)
+    """
+    if input_tokens == 0:
+        return 0
+    if not (math.isfinite(last_mean_input_tps) and last_mean_input_tps > 0.0):
+        return None
+    raw = input_tokens / last_mean_input_tps * 1000.0
+    if not math.isfinite(raw) or not 0.0 <= raw <= _U64_MAX_AS_FLOAT:
+        return None
+    return min(math.ceil(raw), U64_MAX)  # Rust's saturating float-to-u64 cast
+
+
+def _add_to_priority_map(entries: dict[int, int], priority: int, delta: int) -> None:
+    """One reservation's effect on a non-empty per-priority queue map (in place): the request's
+    own entry is created from the best estimate at or below its priority (0 if none) and, like
+    every numerically larger priority key, increased by `delta` (saturating)."""
+    if priority not in entries:
+        below = [key for key in entries if key <= priority]
+        entries[priority] = entries[max(below)] if below else 0
+    for key, ms in entries.items():
+        if key >= priority:
+            entries[key] = min(ms + delta, U64_MAX)
+
+
+def apply_reservations(base: ModelStats, reservations: Iterable[tuple[int, int]]) -> ModelStats:
+    """`base` with pending reservations, each (input tokens, priority), applied on top (§3.5).
+
+    Per reservation: queue size and running queries +1, queued input and total query input
+    +tokens (both saturating at u64), and the per-priority queue map rule (a no-op when the cluster
+    publishes no map; the whole map is cleared when the delta cannot be computed).
+    """
+    pending = list(reservations)
+    if not pending:
+        return base
+    count = len(pending)
+    tokens = sum(input_tokens for input_tokens, _ in pending)
+    by_priority = base.queue_time_estimate_ms_by_priority
+    if by_priority:
+        entries = dict(by_priority)
+        for input_tokens, priority in pending:
+            delta = reservation_delta_ms(input_tokens, base.last_mean_input_tps)
+            if delta is None:
+                entries = {}
+                break
+            _add_to_priority_map(entries, priority, delta)
+        by_priority = tuple(sorted(entries.items()))
+    return replace(
+        base,
+        queue_size=min(base.queue_size + count, U64_MAX),
+        queued_input_size=min(base.queued_input_size + tokens, U64_MAX),
+        num_running_queries=min(base.num_running_queries + count, U64_MAX),
+        total_query_input_size=min(base.total_query_input_size + tokens, U64_MAX),
+        queue_time_estimate_ms_by_priority=by_priority,
+    )
