@@ -204,6 +204,8 @@ class Reservation:
         self.active = False
         cluster = self._cluster
         cluster.pending.pop(self, None)
+        cluster.reserved_count -= 1
+        cluster.reserved_tokens -= self.input_tokens
         cluster.view = None
         self._target.snapshot = None
 
@@ -215,7 +217,16 @@ class Reservation:
 
 
 class _Cluster:
-    __slots__ = ("backends", "generation", "pending", "snapshot", "source_id", "view")
+    __slots__ = (
+        "backends",
+        "generation",
+        "pending",
+        "reserved_count",
+        "reserved_tokens",
+        "snapshot",
+        "source_id",
+        "view",
+    )
 
     def __init__(self, generation: ClusterGeneration) -> None:
         self.generation = generation
@@ -223,6 +234,8 @@ class _Cluster:
         self.source_id: str | None = None
         self.snapshot: ClusterSnapshot | None = None  # the base: aggregated, no reservations
         self.pending: dict[Reservation, None] = {}  # insertion-ordered set of active reservations
+        self.reserved_count = 0  # len(pending) and the sum of its tokens, kept incrementally
+        self.reserved_tokens = 0
         self.view: ClusterSnapshot | None = None  # cached base + pending; None = recompute
 
     def refresh(self) -> None:
@@ -250,7 +263,9 @@ class _Cluster:
             base = self.snapshot
             if self.pending:
                 stats = apply_reservations(
-                    base.stats, [(r.input_tokens, r.priority) for r in self.pending]
+                    base.stats,
+                    ((r.input_tokens, r.priority) for r in self.pending),
+                    totals=(self.reserved_count, self.reserved_tokens),
                 )
                 self.view = ClusterSnapshot(
                     cluster_id=base.cluster_id,
@@ -468,6 +483,8 @@ class RoutingState:
             return None
         reservation = Reservation(registration, input_tokens, priority, state, cluster)
         cluster.pending[reservation] = None
+        cluster.reserved_count += 1
+        cluster.reserved_tokens += input_tokens
         cluster.view = None
         state.snapshot = None
         return reservation

@@ -123,18 +123,32 @@ def _add_to_priority_map(entries: dict[int, int], priority: int, delta: int) -> 
             entries[key] = min(ms + delta, U64_MAX)
 
 
-def apply_reservations(base: ModelStats, reservations: Iterable[tuple[int, int]]) -> ModelStats:
+def apply_reservations(
+    base: ModelStats,
+    reservations: Iterable[tuple[int, int]],
+    *,
+    totals: tuple[int, int] | None = None,
+) -> ModelStats:
     """`base` with pending reservations, each (input tokens, priority), applied on top (§3.5).
 
     Per reservation: queue size and running queries +1, queued input and total query input
     +tokens (both saturating at u64), and the per-priority queue map rule (a no-op when the cluster
     publishes no map; the whole map is cleared when the delta cannot be computed).
+
+    `totals` = (count, tokens) kept incrementally by the caller: then `reservations` is only
+    iterated when the cluster publishes a priority map, so the proxy's per-request snapshot does
+    not cost O(pending reservations) for the common map-less cluster.
     """
-    pending = list(reservations)
-    if not pending:
+    pending: Iterable[tuple[int, int]]
+    if totals is None:
+        pending = list(reservations)
+        count = len(pending)
+        tokens = sum(input_tokens for input_tokens, _ in pending)
+    else:
+        pending = reservations
+        count, tokens = totals
+    if count == 0:
         return base
-    count = len(pending)
-    tokens = sum(input_tokens for input_tokens, _ in pending)
     by_priority = base.queue_time_estimate_ms_by_priority
     if by_priority:
         entries = dict(by_priority)
