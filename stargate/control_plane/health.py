@@ -31,15 +31,26 @@ HealthProbe = Callable[[str], Awaitable[int]]
 """Probe a backend base URL; return the round-trip time in nanoseconds or raise ProbeFailed."""
 
 
-async def http_health_probe(client: httpx.AsyncClient, base_url: str, probe_timeout: float) -> int:
-    """One health check: the first health path that is not 404 must answer 2xx, body read."""
+async def http_health_probe(
+    client: httpx.AsyncClient,
+    base_url: str,
+    probe_timeout: float,
+    paths: tuple[str, ...] = HEALTH_PATHS,
+) -> int:
+    """One health check: the first of `paths` that is not 404 must answer 2xx, body read.
+
+    Shared by the replica's backend probes and the Pylon's engine probes, so both sides judge
+    an engine's health the same way.
+    """
+    if not paths:
+        raise ValueError("at least one health path is required")
     base = base_url.rstrip("/")
     headers = {
         "x-request-id": "stargate-health",
         "x-model": "stargate-health",
         "x-input-tokens": "0",
     }
-    for path in HEALTH_PATHS:
+    for path in paths:
         started = trio.current_time()
         try:
             with trio.fail_after(probe_timeout):
@@ -48,7 +59,7 @@ async def http_health_probe(client: httpx.AsyncClient, base_url: str, probe_time
         except (httpx.HTTPError, trio.TooSlowError) as error:
             raise ProbeFailed(f"{base}{path}: {error!r}") from None
         elapsed_ns = int((trio.current_time() - started) * 1e9)
-        if response.status_code == 404 and path != HEALTH_PATHS[-1]:
+        if response.status_code == 404 and path != paths[-1]:
             continue
         if 200 <= response.status_code < 300:
             return max(elapsed_ns, 1)

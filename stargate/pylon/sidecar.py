@@ -29,7 +29,7 @@ import grpc
 import httpx
 import trio
 
-from stargate.control_plane.health import HEALTH_PATHS, ProbeFailed, http_health_probe
+from stargate.control_plane.health import ProbeFailed, http_health_probe
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.pylon.backoff import Backoff
@@ -68,27 +68,8 @@ def _probe_timeout(config: PylonConfig) -> float:
 async def probe_upstream(
     client: httpx.AsyncClient, base_url: str, paths: tuple[str, ...], seconds: float
 ) -> None:
-    """Raise ProbeFailed unless the engine is healthy.
-
-    The paths are tried in order: the first that does not answer 404 decides (2xx = healthy);
-    a transport error or timeout is unhealthy. With the default paths this is exactly the
-    replica's `http_health_probe`.
-    """
-    if paths == HEALTH_PATHS:
-        await http_health_probe(client, base_url, seconds)
-        return
-    for index, path in enumerate(paths):
-        try:
-            with trio.fail_after(seconds):
-                response = await client.get(base_url + path)
-                await response.aread()
-        except (httpx.HTTPError, trio.TooSlowError) as error:
-            raise ProbeFailed(f"{base_url}{path}: {error!r}") from None
-        if response.status_code == 404 and index < len(paths) - 1:
-            continue
-        if 200 <= response.status_code < 300:
-            return
-        raise ProbeFailed(f"{base_url}{path} answered {response.status_code}")
+    """Raise ProbeFailed unless the engine is healthy, judged exactly as the replica judges it."""
+    await http_health_probe(client, base_url, seconds, paths)
 
 
 def _channel(target: DialTarget, authority: str | None = None) -> grpc.Channel:
