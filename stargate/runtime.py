@@ -228,7 +228,6 @@ class Replica:
         self._failed = False
         self._drained = False
         self._in_flight = InFlight()
-        self._proxy: ProxyApp | None = None
 
     @property
     def shutting_down(self) -> bool:
@@ -292,24 +291,6 @@ class Replica:
                 "(set --registration-token-file or --worker-auth-endpoint)"
             )
         max_bytes = config.control_plane.grpc_max_message_bytes
-        servers: list[tuple[str, ASGIApp, socket.socket]] = [
-            (
-                "HTTP server",
-                functools.partial(self._proxy_app),
-                http_sock,
-            ),
-            (
-                "control-plane gRPC server",
-                control_plane_app(self.registrations, self.publisher, max_message_bytes=max_bytes),
-                grpc_sock,
-            ),
-            (
-                "model-discovery gRPC server",
-                model_discovery_app(self.routing, max_message_bytes=max_bytes),
-                discovery_sock,
-            ),
-            ("metrics server", metrics_asgi_app(self.registry), metrics_sock),
-        ]
         graceful = config.shutdown_drain_timeout_seconds + 1.0
 
         try:
@@ -327,6 +308,30 @@ class Replica:
                 await services.start(self._critical, "WatchStargates publisher", self.publisher.run)
                 services.start_soon(self._expire_idle_upstream_connections)
                 self.activator = await self._start_activator(services)
+                # The HTTP app is built once the activator exists: the proxy holds pooled requests.
+                proxy_app = ProxyApp(
+                    self.router,
+                    config.proxy,
+                    self.metrics.proxy,
+                    fallback=cast(ASGIApp, self.http_app),
+                    activator=self.activator,
+                )
+                servers: list[tuple[str, ASGIApp, socket.socket]] = [
+                    ("HTTP server", proxy_app, http_sock),
+                    (
+                        "control-plane gRPC server",
+                        control_plane_app(
+                            self.registrations, self.publisher, max_message_bytes=max_bytes
+                        ),
+                        grpc_sock,
+                    ),
+                    (
+                        "model-discovery gRPC server",
+                        model_discovery_app(self.routing, max_message_bytes=max_bytes),
+                        discovery_sock,
+                    ),
+                    ("metrics server", metrics_asgi_app(self.registry), metrics_sock),
+                ]
                 for name, app, sock in servers:
                     serve = functools.partial(
                         serve_asgi,
@@ -382,18 +387,6 @@ class Replica:
                 log.error("%s exited unexpectedly; beginning shutdown", name)
                 self._failed = True
                 self.begin_shutdown()
-
-    async def _proxy_app(self, scope: Any, receive: Any, send: Any) -> None:
-        """The HTTP listener's app; built on first use, once the activator (if any) exists."""
-        if self._proxy is None:
-            self._proxy = ProxyApp(
-                self.router,
-                self.config.proxy,
-                self.metrics.proxy,
-                fallback=cast(ASGIApp, self.http_app),
-                activator=self.activator,
-            )
-        await self._proxy(scope, receive, send)
 
     async def _start_activator(self, services: trio.Nursery) -> Activator | None:
         """Build the pools' controllers and run the activator in the service nursery."""

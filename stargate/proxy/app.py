@@ -83,7 +83,7 @@ class ProxyApp:
             self._metrics.in_flight.dec()
 
     async def _proxy(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-        headers: list[tuple[bytes, bytes]] = [(k.lower(), v) for k, v in scope["headers"]]
+        headers: list[tuple[bytes, bytes]] = scope["headers"]  # ASGI: names already lower-case
         try:
             body = await _read_body(receive, headers, self._config.max_replay_body_bytes)
             request = parse_proxy_request(
