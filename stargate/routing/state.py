@@ -204,6 +204,11 @@ class Reservation:
         self.active = False
         cluster = self._cluster
         cluster.pending.pop(self, None)
+        mine = cluster.pending_by_backend.get(self.inference_server_id)
+        if mine is not None:
+            mine.pop(self, None)
+            if not mine:
+                del cluster.pending_by_backend[self.inference_server_id]
         cluster.reserved_count -= 1
         cluster.reserved_tokens -= self.input_tokens
         cluster.view = None
@@ -221,6 +226,7 @@ class _Cluster:
         "backends",
         "generation",
         "pending",
+        "pending_by_backend",
         "reserved_count",
         "reserved_tokens",
         "snapshot",
@@ -234,6 +240,9 @@ class _Cluster:
         self.source_id: str | None = None
         self.snapshot: ClusterSnapshot | None = None  # the base: aggregated, no reservations
         self.pending: dict[Reservation, None] = {}  # insertion-ordered set of active reservations
+        # The same reservations by backend id, so a heartbeat (the registration apply loop)
+        # releases its own without scanning the whole cluster's.
+        self.pending_by_backend: dict[str, dict[Reservation, None]] = {}
         self.reserved_count = 0  # len(pending) and the sum of its tokens, kept incrementally
         self.reserved_tokens = 0
         self.view: ClusterSnapshot | None = None  # cached base + pending; None = recompute
@@ -280,9 +289,7 @@ class _Cluster:
 
     def release_backend(self, inference_server_id: str) -> None:
         """Drop every pending reservation on one backend (its heartbeat arrived, or it left)."""
-        for reservation in [
-            r for r in self.pending if r.inference_server_id == inference_server_id
-        ]:
+        for reservation in list(self.pending_by_backend.get(inference_server_id, ())):
             reservation._deactivate()
 
     def release_all(self) -> None:
@@ -483,6 +490,9 @@ class RoutingState:
             return None
         reservation = Reservation(registration, input_tokens, priority, state, cluster)
         cluster.pending[reservation] = None
+        cluster.pending_by_backend.setdefault(reservation.inference_server_id, {})[reservation] = (
+            None
+        )
         cluster.reserved_count += 1
         cluster.reserved_tokens += input_tokens
         cluster.view = None
