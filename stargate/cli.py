@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -31,6 +32,8 @@ from stargate.config import (
 )
 
 __all__ = ["main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ListenAddressType(click.ParamType[ListenAddress]):
@@ -72,6 +75,72 @@ def _connectivity(ctx: click.Context, param: click.Parameter, value: str) -> str
     return value
 
 
+def _together(*decorators: Callable[[F], F]) -> Callable[[F], F]:
+    """Apply several option decorators as one (listed in --help order)."""
+
+    def apply(function: F) -> F:
+        for decorator in reversed(decorators):
+            function = decorator(function)
+        return function
+
+    return apply
+
+
+def listener_options(env_prefix: str, host: str) -> Callable[[F], F]:
+    """The HTTP and the two gRPC listen addresses (`stargate serve` and `stargate demo`)."""
+    return _together(
+        option(
+            "--http-listen-addr",
+            envvar=f"{env_prefix}_HTTP_LISTEN_ADDR",
+            type=LISTEN_ADDRESS,
+            default=f"{host}:8000",
+            help="HTTP listener: the OpenAI-compatible proxy and the /healthz and /readyz probes.",
+        ),
+        option(
+            "--listen-addr",
+            envvar=f"{env_prefix}_LISTEN_ADDR",
+            type=LISTEN_ADDRESS,
+            default=f"{host}:50071",
+            help="Control-plane gRPC listener that Pylons register with.",
+        ),
+        option(
+            "--model-discovery-listen-addr",
+            envvar=f"{env_prefix}_MODEL_DISCOVERY_LISTEN_ADDR",
+            type=LISTEN_ADDRESS,
+            default=f"{host}:50073",
+            help="Model-discovery gRPC listener (StargateModelDiscovery/ListModels only).",
+        ),
+    )
+
+
+def warmup_options(env_prefix: str) -> Callable[[F], F]:
+    """The three readiness-warmup flags of spec decision 2."""
+    return _together(
+        option(
+            "--readiness-warmup-ms",
+            envvar=f"{env_prefix}_READINESS_WARMUP_MS",
+            type=NON_NEGATIVE_INT,
+            default=60_000,
+            help="Upper bound of the readiness warmup: /readyz answers 503 until the backend "
+            "count is stable or this deadline passes. 0 = ready at start.",
+        ),
+        option(
+            "--warmup-sample-interval-ms",
+            envvar=f"{env_prefix}_WARMUP_SAMPLE_INTERVAL_MS",
+            type=POSITIVE_INT,
+            default=1_000,
+            help="How often warmup samples the total active backend count. Must be > 0.",
+        ),
+        option(
+            "--warmup-stabilization-window",
+            envvar=f"{env_prefix}_WARMUP_STABILIZATION_WINDOW",
+            type=POSITIVE_INT,
+            default=5,
+            help="Consecutive equal, nonzero samples that end warmup early. Must be > 0.",
+        ),
+    )
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="stargate")
 def main() -> None:
@@ -85,27 +154,7 @@ def main() -> None:
     default=None,
     help="Identity of this replica in logs, discovery and /debug/state. [default: the hostname]",
 )
-@option(
-    "--http-listen-addr",
-    envvar="STARGATE_HTTP_LISTEN_ADDR",
-    type=LISTEN_ADDRESS,
-    default="0.0.0.0:8000",
-    help="HTTP listener: the OpenAI-compatible proxy and the /healthz and /readyz probes.",
-)
-@option(
-    "--listen-addr",
-    envvar="STARGATE_LISTEN_ADDR",
-    type=LISTEN_ADDRESS,
-    default="0.0.0.0:50071",
-    help="Control-plane gRPC listener that Pylons register with.",
-)
-@option(
-    "--model-discovery-listen-addr",
-    envvar="STARGATE_MODEL_DISCOVERY_LISTEN_ADDR",
-    type=LISTEN_ADDRESS,
-    default="0.0.0.0:50073",
-    help="Model-discovery gRPC listener (StargateModelDiscovery/ListModels only).",
-)
+@listener_options("STARGATE", "0.0.0.0")
 @option(
     "--advertise-addr",
     envvar="STARGATE_ADVERTISE_ADDR",
@@ -341,28 +390,7 @@ def main() -> None:
     help="After SIGTERM/SIGINT, how long in-flight requests and streams may take to finish "
     "before the process exits 1.",
 )
-@option(
-    "--readiness-warmup-ms",
-    envvar="STARGATE_READINESS_WARMUP_MS",
-    type=NON_NEGATIVE_INT,
-    default=60_000,
-    help="Upper bound of the readiness warmup: /readyz answers 503 until the backend count is "
-    "stable or this deadline passes. 0 = ready at start.",
-)
-@option(
-    "--warmup-sample-interval-ms",
-    envvar="STARGATE_WARMUP_SAMPLE_INTERVAL_MS",
-    type=POSITIVE_INT,
-    default=1_000,
-    help="How often warmup samples the total active backend count. Must be > 0.",
-)
-@option(
-    "--warmup-stabilization-window",
-    envvar="STARGATE_WARMUP_STABILIZATION_WINDOW",
-    type=POSITIVE_INT,
-    default=5,
-    help="Consecutive equal, nonzero samples that end warmup early. Must be > 0.",
-)
+@warmup_options("STARGATE")
 @log_level_option("STARGATE_LOG_LEVEL")
 def serve(
     stargate_id: str | None,
@@ -465,27 +493,7 @@ def serve(
 
 
 @main.command()
-@option(
-    "--http-listen-addr",
-    envvar="STARGATE_DEMO_HTTP_LISTEN_ADDR",
-    type=LISTEN_ADDRESS,
-    default="127.0.0.1:8000",
-    help="The demo replica's HTTP listener (OpenAI-compatible proxy and probes).",
-)
-@option(
-    "--listen-addr",
-    envvar="STARGATE_DEMO_LISTEN_ADDR",
-    type=LISTEN_ADDRESS,
-    default="127.0.0.1:50071",
-    help="The demo replica's control-plane gRPC listener (the Pylons register here).",
-)
-@option(
-    "--model-discovery-listen-addr",
-    envvar="STARGATE_DEMO_MODEL_DISCOVERY_LISTEN_ADDR",
-    type=LISTEN_ADDRESS,
-    default="127.0.0.1:50073",
-    help="The demo replica's model-discovery gRPC listener.",
-)
+@listener_options("STARGATE_DEMO", "127.0.0.1")
 @option(
     "--metrics-port",
     envvar="STARGATE_DEMO_METRICS_PORT",
@@ -493,27 +501,7 @@ def serve(
     default=9090,
     help="The demo replica's Prometheus /metrics port.",
 )
-@option(
-    "--readiness-warmup-ms",
-    envvar="STARGATE_DEMO_READINESS_WARMUP_MS",
-    type=NON_NEGATIVE_INT,
-    default=60_000,
-    help="Upper bound of the demo replica's readiness warmup (0 = ready at start).",
-)
-@option(
-    "--warmup-sample-interval-ms",
-    envvar="STARGATE_DEMO_WARMUP_SAMPLE_INTERVAL_MS",
-    type=POSITIVE_INT,
-    default=1_000,
-    help="How often the demo replica samples its active backend count. Must be > 0.",
-)
-@option(
-    "--warmup-stabilization-window",
-    envvar="STARGATE_DEMO_WARMUP_STABILIZATION_WINDOW",
-    type=POSITIVE_INT,
-    default=5,
-    help="Equal nonzero samples that promote the demo replica early. Must be > 0.",
-)
+@warmup_options("STARGATE_DEMO")
 def demo(
     http_listen_addr: ListenAddress,
     listen_addr: ListenAddress,
