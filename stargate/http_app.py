@@ -1,7 +1,9 @@
 """The replica's HTTP app (QuartTrio): probes, model listing and the debug state.
 
-Later parts mount the proxy here; the probes stay cheap because the kubelet calls them every few
-seconds.
+The proxy routes sit in front of it (`stargate/proxy/app.py`); the probes stay cheap because the
+kubelet calls them every few seconds. Framework errors (404, 405) have an empty `text/plain` body,
+never Quart's HTML page. With `--accept-openai-requests`, `/v1/models` is a superset that both
+OpenAI SDKs and contract clients read, and `/v1/models/{id}` exists (docs/clients.md).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from typing import Any
 
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from stargate.readiness import Readiness
-from stargate.routing import RoutingState
+from stargate.routing import RoutingState, RoutingTargetKey
 
 __all__ = ["create_http_app"]
 
@@ -24,6 +27,7 @@ def create_http_app(
     *,
     stargate_id: str,
     debug_config: Callable[[], Mapping[str, Any]] = dict,
+    accept_openai_requests: bool = False,
 ) -> QuartTrio:
     """Build the QuartTrio app for one replica.
 
@@ -34,10 +38,18 @@ def create_http_app(
     app = QuartTrio("stargate")
     app.config["RESPONSE_TIMEOUT"] = None
 
+    @app.errorhandler(HTTPException)
+    async def framework_error(error: HTTPException) -> Response:
+        """404 and 405 as the Rust replica answers them: empty, with `allow` on a 405."""
+        response = Response(b"", status=error.code or 500, mimetype="text/plain")
+        if isinstance(error, MethodNotAllowed) and error.valid_methods:
+            response.headers["allow"] = ", ".join(error.valid_methods)
+        return response
+
     @app.get("/healthz")
     async def healthz() -> Response:
         """Liveness: the process answers. Nothing else is checked, on purpose."""
-        return Response(b"", status=200)
+        return Response(b"", status=200, mimetype="text/plain")
 
     @app.get("/readyz")
     async def readyz() -> tuple[dict[str, Any], int]:
@@ -65,8 +77,30 @@ def create_http_app(
         """
         model_ids = [value.strip() for value in request.args.getlist("model_ids")]
         if any(not value for value in model_ids):
-            return Response(b"", status=400)
-        return {"model_ids": routing.list_models(None, model_ids or None)}, 200
+            return Response(b"", status=400, mimetype="text/plain")
+        listed = routing.list_models(None, model_ids or None)
+        if not accept_openai_requests:
+            return {"model_ids": listed}, 200
+        return {
+            "object": "list",
+            "data": [_openai_model(routing, model) for model in listed],
+            "model_ids": listed,
+        }, 200
+
+    if accept_openai_requests:
+
+        @app.get("/v1/models/<path:model_id>")
+        async def retrieve_model(model_id: str) -> tuple[dict[str, Any], int]:
+            """One model, as OpenAI's `models.retrieve()` reads it, or OpenAI's 404."""
+            if routing.list_models(None, [model_id]):
+                return _openai_model(routing, model_id), 200
+            error = {
+                "message": f"the model {model_id!r} does not exist or no backend serves it",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+            return {"error": error}, 404
 
     @app.get("/debug/state")
     async def debug_state() -> dict[str, Any]:
@@ -74,3 +108,9 @@ def create_http_app(
         return {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
 
     return app
+
+
+def _openai_model(routing: RoutingState, model_id: str) -> dict[str, Any]:
+    """An OpenAI model object; `created` is when a backend first registered it here."""
+    created = routing.first_advertised(RoutingTargetKey(None, model_id))
+    return {"id": model_id, "object": "model", "created": created or 0, "owned_by": "stargate"}

@@ -219,6 +219,7 @@ class Replica:
             self.routing,
             stargate_id=config.stargate_id,
             debug_config=self._debug_config,
+            accept_openai_requests=config.proxy.accept_openai_requests,
         )
         self._shutdown_started = trio.Event()
         self._services_scope: trio.CancelScope | None = None

@@ -145,7 +145,7 @@ def test_request_headers_drop_hop_by_hop_and_internal_ones() -> None:
         (b"traceparent", b"00-abc"),
     ]
     assert filter_request_headers(headers) == [
-        (b"x-custom", b"kept"),  # names listed in Connection are not removed
+        # x-custom is named in Connection: hop-by-hop (RFC 9110 §7.6.1), so it is removed too
         (b"authorization", b"Bearer t"),
         (b"x-stargate-max-wait-ms", b"100"),
         (b"traceparent", b"00-abc"),
@@ -200,4 +200,12 @@ def test_openai_mode_rejects_bodies_without_a_model_with_a_json_error(body: byte
     with pytest.raises(ContractError) as caught:
         _parse([], body, accept_openai_requests=True)
     assert caught.value.status == 400
-    assert "model" in json.loads(caught.value.body)["error"]["message"]
+    headers, answer = caught.value.answer(openai_form=True)
+    error = json.loads(answer)["error"]
+    assert "model" in error["message"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "model",
+        "invalid_body",
+    )
+    assert (b"content-type", b"application/json") in headers

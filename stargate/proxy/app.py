@@ -5,6 +5,11 @@ here without Quart's request machinery (stack-notes §4: about 200 µs per reque
 everything else (probes, `/v1/models`, `/debug/state`) goes to the Quart app. A wrong method on a
 proxy path is 405 with `allow: POST`.
 
+Request targets (docs/clients.md, "Paths"): an absolute-form target (`POST http://host/v1/...`,
+RFC 9112 §3.2.2) is served as its path; a proxy path written with percent-encoding
+(`/v1/chat%2Fcompletions`) is refused with 400, so a path rule in front of the replica cannot be
+bypassed by an encoding the rule did not expect.
+
 Per request: read the body (bounded), validate the header contract, route and attempt, then
 stream the upstream response as it arrives. A client that goes away cancels everything in flight
 for it, upstream connection included; an upstream that fails mid-body ends the client's body
@@ -13,8 +18,10 @@ without its final chunk (the connection is closed), so the client can tell.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from urllib.parse import unquote
 
 import trio
 
@@ -28,8 +35,10 @@ from stargate.proxy.contract import (
     ProxyRequest,
     filter_response_headers,
     first_header,
+    is_openai_form,
     parse_proxy_request,
     parse_unsigned,
+    with_forwarding,
 )
 from stargate.proxy.router import Forwarded, LocalError, Router
 from stargate.proxy.upstream import UpstreamError
@@ -68,21 +77,37 @@ class ProxyApp:
         self._retry_budget_header = None if header is None else header.encode()
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-        if scope["type"] != "http" or scope["path"] not in ENDPOINTS:
+        if scope["type"] != "http":
             await self._fallback(scope, receive, send)
             return
+        scope = _origin_form(scope)
+        if scope["path"] not in ENDPOINTS:
+            await self._fallback(scope, receive, send)
+            return
+        openai_form = is_openai_form(scope["headers"], self._config.accept_openai_requests)
         if scope["method"] != "POST":
-            await _respond(send, ContractError(405, b"", [(b"allow", b"POST")]))
+            await _respond(send, ContractError(405, b"", [(b"allow", b"POST")]), openai_form)
+            return
+        if scope["raw_path"] != scope["path"].encode():
+            error = ContractError(
+                400,
+                message="percent-encoded proxy paths are refused; send the path as written",
+                code="encoded_path",
+            )
+            self._count_local(scope["path"], openai_form, error)
+            await _respond(send, error, openai_form)
             return
         self._metrics.in_flight.inc()
         try:
-            await self._proxy(scope, receive, send)
+            await self._proxy(scope, receive, send, openai_form)
         except _ClientGone:
             pass  # not counted: the client left before a final status
         finally:
             self._metrics.in_flight.dec()
 
-    async def _proxy(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+    async def _proxy(
+        self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend, openai_form: bool
+    ) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]  # ASGI: names already lower-case
         try:
             body = await _read_body(receive, headers, self._config.max_replay_body_bytes)
@@ -96,12 +121,12 @@ class ProxyApp:
             )
             spec = self._router.resolve_algorithm(request)
         except ContractError as error:
-            await _respond(send, error)
-            if error.status != 400:
-                self._metrics.requests.labels(
-                    inference_server_id="", model="", routing_key="", status=str(error.status)
-                ).inc()
+            self._count_local(scope["path"], openai_form, error)
+            await _respond(send, error, openai_form)
             return
+        request = dataclasses.replace(
+            request, headers=with_forwarding(request.headers, scope.get("client"), scope["scheme"])
+        )
 
         completed = False
         async with trio.open_nursery() as nursery:
@@ -110,14 +135,12 @@ class ProxyApp:
             try:
                 grant = await self._acquire(request)
             except ActivatorError as error:
-                await _respond(send, _pool_error(error), request)
-                self._count(request, "", error.status)
+                await self._answer(send, request, _pool_error(error))
             else:
                 try:
                     outcome = await self._router.forward(request, spec, body)
                     if isinstance(outcome, LocalError):
-                        await _respond(send, outcome.error, request)
-                        self._count(request, "", outcome.error.status)
+                        await self._answer(send, request, outcome.error)
                     else:
                         await self._stream(send, request, outcome)
                 finally:
@@ -152,10 +175,11 @@ class ProxyApp:
             if request.generated_request_id:  # ours, whatever the upstream echoed
                 headers = [h for h in headers if h[0] != b"x-request-id"]
                 headers.append((b"x-request-id", request.request_id.encode()))
+            # Counted before the head goes out: a client that leaves now still got a status.
+            self._count(request, backend.inference_server_id, response.status)
             await send(
                 {"type": "http.response.start", "status": response.status, "headers": headers}
             )
-            self._count(request, backend.inference_server_id, response.status)
             try:
                 async for chunk in response.aiter_bytes():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -169,16 +193,30 @@ class ProxyApp:
                 raise UpstreamBodyError(str(error)) from None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _answer(self, send: ASGISend, request: ProxyRequest, error: ContractError) -> None:
+        """Count, then send, an answer the replica makes itself for a parsed request."""
+        self._count(request, "", error.status)
+        await _respond(send, error, request.openai_form, request)
+
     def _count(self, request: ProxyRequest, server_id: str, status: int) -> None:
         self._metrics.responses.labels(
             endpoint=request.endpoint, status_class=f"{status // 100}xx"
         ).inc()
         self._metrics.requests.labels(
-            inference_server_id=server_id,
-            model=request.model_id,
-            routing_key=request.routing_key or "",
-            status=str(status),
+            inference_server_id=server_id, status=str(status), **self._router.metric_labels(request)
         ).inc()
+
+    def _count_local(self, path: str, openai_form: bool, error: ContractError) -> None:
+        """Count an answer made before the request was parsed (no model label: the model is
+        client input that may never have been registered). A 400 is not a finished request in
+        `requests_total` (Rust parity) but is in `proxy_responses_total`."""
+        self._metrics.responses.labels(
+            endpoint=ENDPOINTS[path], status_class=f"{error.status // 100}xx"
+        ).inc()
+        if error.status != 400:
+            self._metrics.requests.labels(
+                inference_server_id="", model="", routing_key="", status=str(error.status)
+            ).inc()
 
 
 async def _cancel_on_disconnect(receive: ASGIReceive, scope: trio.CancelScope) -> None:
@@ -196,7 +234,7 @@ async def _read_body(receive: ASGIReceive, headers: list[tuple[bytes, bytes]], l
     if declared is not None:
         length = parse_unsigned(declared, 2**64 - 1)
         if length is not None and length > limit:
-            raise ContractError(413)
+            raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -206,28 +244,51 @@ async def _read_body(receive: ASGIReceive, headers: list[tuple[bytes, bytes]], l
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise ContractError(413)
+            raise _too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
+def _too_large(limit: int) -> ContractError:
+    return ContractError(
+        413,
+        message=f"request body exceeds the replay limit of {limit} bytes",
+        code="request_too_large",
+    )
+
+
 def _pool_error(error: ActivatorError) -> ContractError:
-    """The activator's refusals as OpenAI-style JSON errors (503s carry Retry-After)."""
+    """The activator's refusals as JSON errors (503s carry Retry-After)."""
     body = json.dumps({"error": {"code": error.code, "message": str(error)}}).encode()
     headers = [(b"content-type", b"application/json")]
     if error.retry_after is not None:
         headers.append((b"retry-after", str(error.retry_after).encode()))
-    return ContractError(error.status, body, headers)
+    return ContractError(error.status, body, headers, message=str(error), code=error.code)
+
+
+def _origin_form(scope: ASGIScope) -> ASGIScope:
+    """`scope` with an absolute-form target (RFC 9112 §3.2.2) reduced to its path."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    scheme, sep, rest = raw.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https") or b"/" in scheme:
+        return scope
+    slash = rest.find(b"/")
+    path = b"/" if slash < 0 else rest[slash:]
+    return {**scope, "raw_path": path, "path": unquote(path.decode("ascii", "replace"))}
 
 
 async def _respond(
-    send: ASGISend, error: ContractError, request: ProxyRequest | None = None
+    send: ASGISend,
+    error: ContractError,
+    openai_form: bool,
+    request: ProxyRequest | None = None,
 ) -> None:
-    headers = list(error.headers)
-    if error.body:
-        headers.append((b"content-length", str(len(error.body)).encode()))
+    headers, body = error.answer(openai_form)
+    headers = list(headers)
+    if body:
+        headers.append((b"content-length", str(len(body)).encode()))
     if request is not None and request.generated_request_id:
         headers.append((b"x-request-id", request.request_id.encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": error.body})
+    await send({"type": "http.response.body", "body": body})

@@ -8,6 +8,13 @@ first value; a string header that is not visible ASCII counts as absent.
 
 Spec decision 5 adds `--accept-openai-requests`: without `x-model`, the model comes from the JSON
 body, a request id is generated and returned, and the input tokens are estimated from the body size.
+Such a request is in the *OpenAI form*, and every answer the replica makes itself for it has the
+OpenAI error body; a request in the Rust header form gets the Rust answers byte for byte
+(docs/clients.md, "Error bodies").
+
+Header hygiene beyond the Rust list (docs/clients.md, "Headers"): only the `x-model` and
+`x-request-id` values the replica used are forwarded, headers named in `Connection` are dropped
+both ways, and `X-Forwarded-For` / `X-Forwarded-Proto` tell the backend who the client is.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ __all__ = [
     "filter_request_headers",
     "filter_response_headers",
     "first_header",
+    "is_openai_form",
     "parse_proxy_request",
     "parse_unsigned",
+    "with_forwarding",
 ]
 
 ENDPOINTS: Mapping[str, str] = {
@@ -57,8 +66,11 @@ _DROPPED = frozenset(
         b"x-stargate-retry-after-ms",
         b"x-stargate-expected-queue-ms",
         b"x-stargate-error-code",
+        b"http2-settings",  # hop-by-hop (RFC 9113 §3.2.1): belongs to the client's connection
     }
 )
+# Forwarded once, with the value the replica routed by (a duplicate could disagree with it).
+_SINGLE = (b"x-model", b"x-request-id")
 # Hypercorn adds its own; forwarding the upstream's would duplicate them (stack-notes P5).
 _DROPPED_RESPONSE = _DROPPED | {
     b"date",
@@ -72,21 +84,71 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class ContractError(Exception):
-    """A locally generated error response: status, optional JSON body (bytes) and headers."""
+    """A locally generated answer: status, the Rust-form body (bytes) and headers, plus what an
+    OpenAI-form answer says (`message`, `code`, `param`; see `answer`)."""
 
-    def __init__(self, status: int, body: bytes = b"", headers: Headers | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: Headers | None = None,
+        *,
+        message: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
         self.headers = headers or []
+        self.message = message
+        self.code = code
+        self.param = param
 
-    @classmethod
-    def openai(cls, status: int, message: str) -> ContractError:
-        """An OpenAI-style JSON error, for clients of `--accept-openai-requests`."""
-        body = json.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "code": None}}
-        ).encode()
-        return cls(status, body, [(b"content-type", b"application/json")])
+    def answer(self, openai_form: bool) -> tuple[Headers, bytes]:
+        """The headers and body to send: the Rust answer, or the OpenAI error document.
+
+        The OpenAI form always has a JSON body and an `x-stargate-error-code` header, so an SDK
+        shows a message that says what is wrong and an operator can still grep the code.
+        """
+        if not openai_form:
+            return self.headers, self.body
+        code = self.code or _DEFAULT_CODES.get(self.status, f"http_{self.status}")
+        error = {
+            "message": self.message or _DEFAULT_MESSAGES.get(self.status, "request failed"),
+            "type": "invalid_request_error" if self.status < 500 else "server_error",
+            "param": self.param,
+            "code": code,
+        }
+        headers = [h for h in self.headers if h[0] not in _ANSWER_HEADERS]
+        headers += [
+            (b"content-type", b"application/json"),
+            (b"x-stargate-error-code", code.encode()),
+        ]
+        return headers, json.dumps({"error": error}).encode()
+
+
+_ANSWER_HEADERS = frozenset({b"content-type", b"x-stargate-error-code", b"content-length"})
+_DEFAULT_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    502: "upstream_failed",
+    503: "unavailable",
+}
+_DEFAULT_MESSAGES = {
+    400: "invalid request",
+    404: "not found",
+    405: "method not allowed: use POST",
+    413: "request body too large",
+    502: "the upstream request failed",
+    503: "no backend can take this request now; retry later",
+}
+
+
+def _bad_header(name: str, rule: str) -> ContractError:
+    return ContractError(400, message=f"header {name} {rule}", code="invalid_header")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +169,7 @@ class ProxyRequest:
     retry_budget_ms: int | None
     headers: Headers  # filtered, forwarded to every attempt
     generated_request_id: bool = False
+    openai_form: bool = False  # model from the body: answers are OpenAI-shaped
 
 
 def first_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
@@ -144,7 +207,7 @@ def _numeric(headers: Headers, name: bytes, maximum: int) -> int | None:
         return None
     value = parse_unsigned(raw, maximum)
     if value is None:
-        raise ContractError(400)
+        raise _bad_header(name.decode(), "must be an unsigned integer")
     return value
 
 
@@ -153,12 +216,59 @@ def estimate_input_tokens(body: bytes) -> int:
     return max(1, len(body) // 4)
 
 
-def filter_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    return [(key, value) for key, value in headers if key not in _DROPPED]
+def _connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names listed in `Connection` (RFC 9110 §7.6.1): hop-by-hop, never forwarded."""
+    names: set[bytes] = set()
+    for key, value in headers:
+        if key == b"connection":
+            names.update(n.strip().lower() for n in value.split(b",") if n.strip())
+    return frozenset(names)
+
+
+def filter_request_headers(
+    headers: Iterable[tuple[bytes, bytes]], *, drop: Iterable[bytes] = ()
+) -> Headers:
+    """The client's headers minus the hop-by-hop and internal ones; `drop` names more to leave
+    out. Of `x-model` and `x-request-id` only the first value is kept (the one routed by)."""
+    headers = list(headers)
+    dropped = _DROPPED | _connection_options(headers) | frozenset(drop)
+    kept: Headers = []
+    seen: set[bytes] = set()
+    for key, value in headers:
+        if key in dropped:
+            continue
+        if key in _SINGLE:
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append((key, value))
+    return kept
 
 
 def filter_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    return [(key, value) for key, value in headers if key not in _DROPPED_RESPONSE]
+    headers = list(headers)
+    dropped = _DROPPED_RESPONSE | _connection_options(headers)
+    return [(key, value) for key, value in headers if key not in dropped]
+
+
+def with_forwarding(forwarded: Headers, client: tuple[str, int] | None, scheme: str) -> Headers:
+    """`forwarded` with the client address appended to `X-Forwarded-For` (one header, as
+    nginx's `$proxy_add_x_forwarded_for` makes it), and `X-Forwarded-Proto` added unless a proxy
+    in front already set it: that proxy knows whether the client used TLS (docs/clients.md)."""
+    chain = [value for key, value in forwarded if key == b"x-forwarded-for"]
+    if client:
+        chain.append(client[0].encode())
+    headers = [h for h in forwarded if h[0] != b"x-forwarded-for"]
+    if chain:
+        headers.append((b"x-forwarded-for", b", ".join(chain)))
+    if first_header(forwarded, b"x-forwarded-proto") is None:
+        headers.append((b"x-forwarded-proto", scheme.encode()))
+    return headers
+
+
+def is_openai_form(headers: Iterable[tuple[bytes, bytes]], accept_openai_requests: bool) -> bool:
+    """True for a plain OpenAI request: the flag is on and there is no `x-model` header."""
+    return accept_openai_requests and first_header(headers, b"x-model") is None
 
 
 def parse_proxy_request(
@@ -177,11 +287,11 @@ def parse_proxy_request(
     """
     endpoint = ENDPOINTS[path]
     generated = False
-    openai_mode = accept_openai_requests and first_header(headers, b"x-model") is None
+    openai_mode = is_openai_form(headers, accept_openai_requests)
     request_id = _visible_ascii(first_header(headers, b"x-request-id"))
     if request_id is None:
         if not openai_mode:
-            raise ContractError(400)
+            raise _bad_header("x-request-id", "is required (visible ASCII)")
         request_id, generated = str(uuid.uuid4()), True
 
     raw_tokens = first_header(headers, b"x-input-tokens")
@@ -190,13 +300,13 @@ def parse_proxy_request(
     else:
         input_tokens_or_none = None if raw_tokens is None else parse_unsigned(raw_tokens, U64_MAX)
         if input_tokens_or_none is None:
-            raise ContractError(400)
+            raise _bad_header("x-input-tokens", "must be an unsigned 64-bit integer")
         input_tokens = input_tokens_or_none
 
     model_id = _visible_ascii(first_header(headers, b"x-model"))
     if model_id is None:
         if not openai_mode:
-            raise ContractError(400)
+            raise _bad_header("x-model", "is required (visible ASCII)")
         model_id = _model_from_body(body)
 
     raw_method = first_header(headers, b"x-routing-method")
@@ -205,23 +315,24 @@ def parse_proxy_request(
         try:
             routing_method = raw_method.decode("utf-8").strip()
         except UnicodeDecodeError:
-            raise ContractError(400) from None
+            raise _bad_header("x-routing-method", "must be UTF-8") from None
         if not routing_method:
-            raise ContractError(400)
+            raise _bad_header("x-routing-method", "must name an algorithm")
 
     raw_priority = first_header(headers, b"x-priority")
     priority = 0
     if raw_priority is not None:
         parsed = parse_unsigned(raw_priority, U32_MAX)
         if parsed is None:
-            raise ContractError(400)
+            raise _bad_header("x-priority", "must be an unsigned 32-bit integer")
         priority = parsed
     max_wait_ms = _numeric(headers, b"x-max-wait-ms", U64_MAX)
     request_slo_ms = _numeric(headers, b"x-request-slo-ms", U64_MAX)
     retry_budget_ms = (
         None if retry_budget_header is None else _numeric(headers, retry_budget_header, U64_MAX)
     )
-    forwarded = filter_request_headers(headers)
+    # A generated id replaces whatever invalid value the client sent.
+    forwarded = filter_request_headers(headers, drop=(b"x-request-id",) if generated else ())
     if generated:
         forwarded.append((b"x-request-id", request_id.encode()))
     if openai_mode:
@@ -243,6 +354,7 @@ def parse_proxy_request(
         retry_budget_ms=retry_budget_ms,
         headers=forwarded,
         generated_request_id=generated,
+        openai_form=openai_mode,
     )
 
 
@@ -250,8 +362,12 @@ def _model_from_body(body: bytes) -> str:
     try:
         document = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        raise ContractError.openai(400, 'request body must be JSON with a "model" field') from None
+        raise _bad_body('request body must be JSON with a "model" field') from None
     model = document.get("model") if isinstance(document, dict) else None
     if not isinstance(model, str) or not model.strip():
-        raise ContractError.openai(400, 'request body has no "model" field')
+        raise _bad_body('request body has no "model" field')
     return model.strip()
+
+
+def _bad_body(message: str) -> ContractError:
+    return ContractError(400, message=message, code="invalid_body", param="model")

@@ -47,7 +47,13 @@ from stargate.routing.lb_config import (
     resolve,
 )
 
-__all__ = ["NO_ELIGIBLE_CANDIDATES", "Forwarded", "LocalError", "Router"]
+__all__ = [
+    "UNREGISTERED",
+    "Forwarded",
+    "LocalError",
+    "Router",
+    "no_eligible_candidates",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +61,36 @@ RETRYABLE_STATUSES = frozenset({429, 503})
 QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
 DEFAULT_RETRY_REASON = "retryable_upstream_response"
 
-INPUT_WORK_LIMIT_EXCEEDED = ContractError(
-    503,
-    b'{"error":"input work admission limit exceeded","code":"input_work_limit_exceeded"}',
-    [
-        (b"content-type", b"application/json"),
-        (b"x-stargate-error-code", b"input_work_limit_exceeded"),
-    ],
-)
-NO_ELIGIBLE_CANDIDATES = ContractError(
-    404,
-    b'{"error":"no eligible candidates","code":"no_eligible_candidates"}',
-    [(b"content-type", b"application/json"), (b"x-stargate-error-code", b"no_eligible_candidates")],
-)
+UNREGISTERED = "__unregistered__"
+"""The metric label standing for every model (and routing key) that no backend ever registered:
+client input must not create series (docs/clients.md, "Metrics")."""
+
+
+def input_work_limit_exceeded(model_id: str) -> ContractError:
+    return ContractError(
+        503,
+        b'{"error":"input work admission limit exceeded","code":"input_work_limit_exceeded"}',
+        [
+            (b"content-type", b"application/json"),
+            (b"x-stargate-error-code", b"input_work_limit_exceeded"),
+        ],
+        message=f"input work admission limit exceeded for model {model_id!r}; retry later",
+        code="input_work_limit_exceeded",
+    )
+
+
+def no_eligible_candidates(model_id: str) -> ContractError:
+    return ContractError(
+        404,
+        b'{"error":"no eligible candidates","code":"no_eligible_candidates"}',
+        [
+            (b"content-type", b"application/json"),
+            (b"x-stargate-error-code", b"no_eligible_candidates"),
+        ],
+        message=f"the model {model_id!r} does not exist or no backend serves it",
+        code="no_eligible_candidates",
+        param="model",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +157,17 @@ class Router:
         """A health probe succeeded: a backend demoted by a connection failure is routable again."""
         self.demoted.discard(inference_server_id)
 
+    def metric_labels(self, request: ProxyRequest) -> dict[str, str]:
+        """`model` and `routing_key` labels for `request`: its own for a target some backend
+        registered (now or before), one fixed pair otherwise, so series stay bounded."""
+        target = RoutingTargetKey(request.routing_key, request.model_id)
+        if self._routing.is_known(target):
+            return {"model": request.model_id, "routing_key": request.routing_key or ""}
+        return {
+            "model": UNREGISTERED,
+            "routing_key": "" if request.routing_key is None else UNREGISTERED,
+        }
+
     def resolve_algorithm(self, request: ProxyRequest) -> AlgorithmSpec:
         """§1.3 steps 2-3: the algorithm for this request, or a bare 400."""
         header = None
@@ -141,13 +175,26 @@ class Router:
             try:
                 header = parse_algorithm_header(request.routing_method)
             except UnknownAlgorithm:
-                raise ContractError(400) from None
+                raise ContractError(
+                    400,
+                    message=f"unknown x-routing-method {request.routing_method!r}",
+                    code="invalid_header",
+                ) from None
         try:
             spec = resolve(self._lb_config, request.model_id, header)
         except AlgorithmUnavailable:
-            raise ContractError(400) from None
+            raise ContractError(
+                400,
+                message=f"x-routing-method {request.routing_method!r} is not allowed for model "
+                f"{request.model_id!r}",
+                code="invalid_header",
+            ) from None
         if spec.require_cache_affinity_key and request.cache_affinity_key is None:
-            raise ContractError(400)
+            raise ContractError(
+                400,
+                message=f"model {request.model_id!r} requires an x-cache-affinity-key header",
+                code="invalid_header",
+            )
         return spec
 
     async def forward(
@@ -155,7 +202,7 @@ class Router:
     ) -> Forwarded | LocalError:
         """Route and attempt until a final response (or local error) for `request`."""
         target = RoutingTargetKey(request.routing_key, request.model_id)
-        labels = {"model": request.model_id, "routing_key": request.routing_key or ""}
+        labels = self.metric_labels(request)
         routing_request = RoutingRequest(
             model_id=request.model_id,
             input_tokens=request.input_tokens,
@@ -180,7 +227,7 @@ class Router:
                 )
                 if rejection is not None:
                     self._metrics.admission_rejections.labels(reason=rejection, **labels).inc()
-                    return LocalError(INPUT_WORK_LIMIT_EXCEEDED)
+                    return LocalError(input_work_limit_exceeded(request.model_id))
             choice = (
                 self._balancers.choose(
                     target, spec, clusters, routing_request, state.failed_clusters
@@ -201,12 +248,8 @@ class Router:
                     and not self._routing.is_advertised(target)
                     and not (state.failed_any and not self.demoted)
                 ):
-                    return LocalError(NO_ELIGIBLE_CANDIDATES)
-                if state.failed_any:
-                    self._metrics.retry_exhausted.labels(
-                        reason="no_eligible_backend", **labels
-                    ).inc()
-                return LocalError(ContractError(503))
+                    return LocalError(no_eligible_candidates(request.model_id))
+                return LocalError(self._unavailable(request, state, bool(eligible), labels))
             selection = "primary" if choice.rank_depth <= 1 else "fallback"
             self._metrics.selections.labels(
                 algorithm=spec.name, selection=selection, **labels
@@ -272,12 +315,12 @@ class Router:
                     self._metrics.retry_exhausted.labels(
                         reason="retry_budget_exhausted", **labels
                     ).inc()
-                    return LocalError(ContractError(502))
+                    return LocalError(_upstream_failed(request))
                 if state.connect_retries >= self._config.max_connect_retries:
                     self._metrics.retry_exhausted.labels(
                         reason="connect_retries_exhausted", **labels
                     ).inc()
-                    return LocalError(ContractError(502))
+                    return LocalError(_upstream_failed(request))
                 state.connect_retries += 1
                 self._metrics.retries.labels(reason="connect_failover", **labels).inc()
                 state.failed_backends.add(backend.inference_server_id)
@@ -308,6 +351,23 @@ class Router:
             state.failed_clusters.add(cluster.cluster_id)
             return None
 
+    def _unavailable(
+        self, request: ProxyRequest, state: _Attempts, choosable: bool, labels: dict[str, str]
+    ) -> ContractError:
+        """The bare 503 of §1.6, with what an OpenAI-form answer says about it."""
+        model = request.model_id
+        if state.failed_any:
+            self._metrics.retry_exhausted.labels(reason="no_eligible_backend", **labels).inc()
+            message = f"every backend tried for model {model!r} failed; retry later"
+            code = "no_eligible_backend"
+        elif choosable:
+            message = f"every backend of model {model!r} is busy; retry later"
+            code = "no_available_backend"
+        else:
+            message = f"model {model!r} is registered but has no active backend; retry later"
+            code = "no_active_backend"
+        return ContractError(503, message=message, code=code, param="model")
+
     def _retry_reason(self, response: UpstreamResponse) -> str | None:
         """The retry reason if `response` is a retry candidate (§2.5.2), else None."""
         if response.status not in RETRYABLE_STATUSES:
@@ -333,6 +393,15 @@ def _is_queue_estimate_mismatch(response: UpstreamResponse) -> bool:
         return False
     raw = first_header(response.headers, b"x-stargate-retry-reason")
     return raw is not None and raw.decode("latin-1").strip() == QUEUE_ESTIMATE_MISMATCH
+
+
+def _upstream_failed(request: ProxyRequest) -> ContractError:
+    """The bare 502 of §1.6. The message names no backend: clients never learn the topology."""
+    return ContractError(
+        502,
+        message=f"the upstream request for model {request.model_id!r} failed; retry later",
+        code="upstream_failed",
+    )
 
 
 def _expired(deadline: float | None) -> bool:

@@ -21,6 +21,7 @@ active for a registration only while a backend entry is stored for it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -321,12 +322,21 @@ class RoutingState:
     `active_inference_servers` gauge without this module importing it.
     """
 
-    def __init__(self, on_target_count: TargetCountListener | None = None) -> None:
+    def __init__(
+        self,
+        on_target_count: TargetCountListener | None = None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._on_target_count = on_target_count
         self._registrations: dict[str, Registration] = {}
         self._clusters: dict[tuple[str | None, str], ClusterGeneration] = {}
         self._advertised: dict[RoutingTargetKey, int] = {}
         self._targets: dict[RoutingTargetKey, _Target] = {}
+        # Every target some registration ever advertised, with the wall-clock time it first did:
+        # the only model names that may become metric labels, and OpenAI's `created`.
+        self._known: dict[RoutingTargetKey, int] = {}
+        self._wall_clock = wall_clock
 
     # ---- registrations --------------------------------------------------------------------------
 
@@ -363,6 +373,8 @@ class RoutingState:
         for model_id in advertised - previous:
             target = registration.target(model_id)
             self._advertised[target] = self._advertised.get(target, 0) + 1
+            if target not in self._known:
+                self._known[target] = int(self._wall_clock())
         for model_id in previous - advertised:
             self._unadvertise(registration.target(model_id))
         registration._applying_previous = previous
@@ -427,6 +439,14 @@ class RoutingState:
     def is_advertised(self, target: RoutingTargetKey) -> bool:
         """True while some live registration lists the model under this routing key (any status)."""
         return target in self._advertised
+
+    def is_known(self, target: RoutingTargetKey) -> bool:
+        """True if some registration has ever advertised this target (any status)."""
+        return target in self._known
+
+    def first_advertised(self, target: RoutingTargetKey) -> int | None:
+        """Unix time (seconds) when a registration first advertised `target`, if one ever did."""
+        return self._known.get(target)
 
     def targets(self) -> list[RoutingTargetKey]:
         """Every target with at least one active backend."""
