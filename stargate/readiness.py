@@ -13,6 +13,9 @@ the scope ends, whichever comes first of
 Promotion is latched: once warm, a later drop of the backend count to zero does not make the
 replica unready (the proxy answers such requests itself; pulling every replica out of the Service
 would turn 503s into refused connections).
+
+`accepting_work` and `next_change` are what the gRPC health service reads (docs/grpc-health.md):
+one predicate and one change notification, so new phases need not touch the health service.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Readiness:
         self._samples = 0
         self._stable_samples = 0
         self._last_count: int | None = None
+        # Replaced by a fresh event each time it is set: see `next_change`.
+        self._changed = trio.Event()
         if not config.enabled:
             self._promote(PromotionReason.DISABLED, elapsed=0.0)
 
@@ -90,6 +95,27 @@ class Readiness:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def accepting_work(self) -> bool:
+        """True until the replica starts turning new work away (today: until it drains).
+
+        Unlike `ready` it is True while warming: a warming replica must take Pylon registrations
+        (they are what ends warmup) and can answer model discovery from its routing state. The
+        gRPC health service answers SERVING exactly while this holds, so it depends on this one
+        predicate, not on phase names: a phase added before draining that sheds new work must
+        make this False and call `_notify_change`.
+        """
+        return not self._draining
+
+    def next_change(self) -> trio.Event:
+        """An event set at the next change of `warm`, `ready`, `draining` or `accepting_work`.
+
+        Take the event before reading the state, then wait on it: a change that happens in
+        between (say, while sending the state to a client) still wakes the waiter. Each change
+        sets the current event and installs a fresh one.
+        """
+        return self._changed
 
     @property
     def promotion(self) -> Promotion | None:
@@ -147,8 +173,14 @@ class Readiness:
             self._promote(PromotionReason.SHUTDOWN, elapsed=elapsed)
         if self._metrics is not None:
             self._metrics.ready.set(0)
+        self._notify_change()
 
     # ---- internals ------------------------------------------------------------------------------
+
+    def _notify_change(self) -> None:
+        """Wake every `next_change` waiter; later waiters get a fresh event."""
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
 
     def _record_sample(self, count: int | None, streak: int) -> None:
         self._stable_samples = streak
@@ -165,6 +197,7 @@ class Readiness:
         self._promotion = Promotion(reason, elapsed, self._samples, self._last_count)
         self._warmup_scope.cancel()
         self._promoted.set()
+        self._notify_change()
         if self._metrics is not None:
             self._metrics.warmup_promotions.labels(reason=reason.value).inc()
             if reason is not PromotionReason.SHUTDOWN:

@@ -322,13 +322,18 @@ class Replica:
                     (
                         "control-plane gRPC server",
                         control_plane_app(
-                            self.registrations, self.publisher, max_message_bytes=max_bytes
+                            self.registrations,
+                            self.publisher,
+                            serving=self.readiness,
+                            max_message_bytes=max_bytes,
                         ),
                         grpc_sock,
                     ),
                     (
                         "model-discovery gRPC server",
-                        model_discovery_app(self.routing, max_message_bytes=max_bytes),
+                        model_discovery_app(
+                            self.routing, serving=self.readiness, max_message_bytes=max_bytes
+                        ),
                         discovery_sock,
                     ),
                     ("metrics server", metrics_asgi_app(self.registry), metrics_sock),

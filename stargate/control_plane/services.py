@@ -6,28 +6,38 @@
   gateways.
 
 Each port's `GrpcApp` knows only its own methods, so calling the other service's method answers
-UNIMPLEMENTED.
+UNIMPLEMENTED. Both ports also serve `grpc.health.v1.Health` (`grpc_health.py`) and server
+reflection (`reflection.py`), each scoped to the port's own services (docs/grpc-health.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+
+from grpc_health.v1 import health_pb2
 
 from stargate.control_plane.discovery import WatchPublisher, WatchSnapshot
 from stargate.control_plane.grpc import (
     GrpcApp,
     GrpcError,
+    GrpcMethod,
     GrpcStatus,
     RpcContext,
     stream_stream,
     unary_stream,
     unary_unary,
 )
+from stargate.control_plane.grpc_health import HEALTH_SERVICE, HealthService, ServingSignal
+from stargate.control_plane.reflection import (
+    REFLECTION_SERVICES,
+    ReflectionIndex,
+    reflection_methods,
+)
 from stargate.control_plane.registration import RegistrationService
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import RoutingState
 
-__all__ = ["control_plane_app", "model_discovery_app", "snapshot_to_wire"]
+__all__ = ["control_plane_app", "model_discovery_app", "service_names", "snapshot_to_wire"]
 
 CONTROL_PLANE = "/stargate.StargateControlPlane"
 MODEL_DISCOVERY = "/stargate.StargateModelDiscovery"
@@ -48,10 +58,37 @@ def snapshot_to_wire(snapshot: WatchSnapshot) -> pb.WatchStargatesResponse:
     )
 
 
+def service_names(methods: Iterable[GrpcMethod]) -> frozenset[str]:
+    """The fully qualified service names of `methods` (paths are `/package.Service/Method`)."""
+    return frozenset(method.path.split("/")[1] for method in methods)
+
+
+def _with_health_and_reflection(
+    methods: list[GrpcMethod], serving: ServingSignal
+) -> list[GrpcMethod]:
+    """`methods` plus health checking and reflection for exactly the services the port serves.
+
+    The names come from the method table, so a service added to a port is health-checked and
+    listed by reflection without further wiring.
+    """
+    names = service_names(methods) | {HEALTH_SERVICE, *REFLECTION_SERVICES}
+    health = HealthService(serving, names)
+    index = ReflectionIndex(names, [pb.DESCRIPTOR, health_pb2.DESCRIPTOR])
+    return [*methods, *health.methods(), *reflection_methods(index)]
+
+
 def control_plane_app(
-    registrations: RegistrationService, publisher: WatchPublisher, *, max_message_bytes: int
+    registrations: RegistrationService,
+    publisher: WatchPublisher,
+    *,
+    serving: ServingSignal,
+    max_message_bytes: int,
 ) -> GrpcApp:
-    """The Pylon-facing service."""
+    """The Pylon-facing service, with health checking and reflection.
+
+    `serving` (the replica's `Readiness`) decides the health status: SERVING while the replica
+    accepts work, warming included, since warming replicas must take registrations.
+    """
 
     async def watch_stargates(
         request: pb.WatchStargatesRequest,
@@ -62,23 +99,27 @@ def control_plane_app(
         async for snapshot in publisher.subscribe():
             await send(snapshot_to_wire(snapshot))
 
+    methods = [
+        stream_stream(
+            f"{CONTROL_PLANE}/RegisterInferenceServer",
+            pb.InferenceServerRegistration,
+            registrations.register,
+        ),
+        unary_stream(f"{CONTROL_PLANE}/WatchStargates", pb.WatchStargatesRequest, watch_stargates),
+    ]
     return GrpcApp(
-        [
-            stream_stream(
-                f"{CONTROL_PLANE}/RegisterInferenceServer",
-                pb.InferenceServerRegistration,
-                registrations.register,
-            ),
-            unary_stream(
-                f"{CONTROL_PLANE}/WatchStargates", pb.WatchStargatesRequest, watch_stargates
-            ),
-        ],
-        max_message_bytes=max_message_bytes,
+        _with_health_and_reflection(methods, serving), max_message_bytes=max_message_bytes
     )
 
 
-def model_discovery_app(routing: RoutingState, *, max_message_bytes: int) -> GrpcApp:
-    """The gateway-facing service."""
+def model_discovery_app(
+    routing: RoutingState, *, serving: ServingSignal, max_message_bytes: int
+) -> GrpcApp:
+    """The gateway-facing service, with health checking and reflection.
+
+    `serving` decides the health status: SERVING while the replica accepts work, warming
+    included, since `ListModels` answers from the current routing state at any time.
+    """
 
     async def list_models(
         request: pb.ListModelsRequest, context: RpcContext
@@ -91,7 +132,7 @@ def model_discovery_app(routing: RoutingState, *, max_message_bytes: int) -> Grp
         found = routing.list_models(routing_key or None, model_ids or None)
         return pb.ListModelsResponse(model_ids=found)
 
+    methods = [unary_unary(f"{MODEL_DISCOVERY}/ListModels", pb.ListModelsRequest, list_models)]
     return GrpcApp(
-        [unary_unary(f"{MODEL_DISCOVERY}/ListModels", pb.ListModelsRequest, list_models)],
-        max_message_bytes=max_message_bytes,
+        _with_health_and_reflection(methods, serving), max_message_bytes=max_message_bytes
     )
