@@ -36,10 +36,9 @@ class InFlight:
     """Counts the HTTP exchanges (requests, streams, gRPC calls) in progress on every server.
 
     A graceful shutdown is over when this reaches zero, not when Hypercorn has closed every
-    connection: on its trio worker an idle keep-alive connection whose last exchange went through
-    QuartTrio is neither recycled nor closed when Hypercorn terminates (stack-notes P1), so
-    waiting for connections would hold every shutdown until the drain deadline. Idle connections
-    carry no work; once nothing is in flight the runtime cancels the servers.
+    connection: idle connections carry no work, and a client may hold one open (HTTP/2 streams it
+    never ends, a connection it never reads from) until the drain deadline. Once nothing is in
+    flight the runtime cancels the servers, and with them whatever connections are left.
     """
 
     def __init__(self) -> None:

@@ -1,7 +1,10 @@
-"""Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down.
+"""Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down, or that keep
+connections open after HTTP says they end.
 
-Applied once, when the runtime module is imported. Each fix is small, targeted at one upstream
-issue, and covered by a test that fails without it.
+`apply()` installs the first six once, when the runtime module is imported; the last one wraps each
+served app (`complete_response_before_disconnect`, applied by `runtime.serve_asgi`). Each fix is
+small, targeted at one upstream issue, and covered by a test that fails without it. What a client
+can expect as a result is in docs/http-serving.md.
 
 * pgjones/hypercorn#329: when HTTP/2 DATA arrives for a stream whose response is already complete,
   `H2Protocol._handle_events` raises `KeyError` in the connection task, and on the trio worker
@@ -14,20 +17,69 @@ issue, and covered by a test that fails without it.
   flow-control window is 0. A client that stops reading therefore never pauses the app, and the
   server buffers the whole response in memory. The fix releases the writer only once *what is
   left in the buffer* is below the low-water mark.
+* HTTP/2 stream lifecycle: Hypercorn takes a stream out of its per-connection priority tree (which
+  holds at most 1000) and out of its send buffers only when its send task next picks that stream
+  after the response is complete. A stream the client resets before any response is left blocked
+  in the tree and is never picked again; and under steady load the tree's scheduler keeps picking
+  newer streams, so finished ones (a gRPC answer ended by its trailers) wait for a turn that does
+  not come. Either way the tree fills, and at the 1000th leftover `TooManyStreamsError`
+  escapes the connection task and the listener's server exits. The fix ends every stream where it
+  ends: END_STREAM is queued with the last byte handed to h2, trailers end the stream at once, and
+  a reset by the client, a closed connection, or an app that stops before completing its response
+  (whose client then gets RST_STREAM INTERNAL_ERROR rather than waiting forever) drop it too.
+  PRIORITY frames for streams that are not open are ignored (RFC 9113 §5.3.2 deprecates that
+  scheme) rather than parking placeholder streams in the tree.
+* Full priority tree: should the tree still be full, the new stream is refused with RST_STREAM
+  REFUSED_STREAM, which clients may retry, instead of raising.
+* Contained connection failures: an exception escaping one connection's task reaches the nursery
+  of the server (trio's `serve_listeners` handler nursery) and ends the listener, then the
+  replica. Now it is logged once, with its traceback, and only that connection is closed.
+* Graceful HTTP/2 rotation: on `keep_alive_max_requests` Hypercorn calls h2's
+  `close_connection()`, which moves h2 to its CLOSED state: every stream still in flight, the
+  request that hit the limit included, then fails. The fix sends GOAWAY naming the last stream it
+  will serve, finishes the streams up to it, refuses later ones with REFUSED_STREAM, and closes
+  the connection once they are done.
+* Responses complete before `http.disconnect` (`complete_response_before_disconnect`): Hypercorn
+  delivers `http.disconnect` to the app from inside the app's final `send()`, before it has done
+  its own bookkeeping for the finished response (close the connection for `Connection: close` or
+  HTTP/1.0, start the keep-alive idle timer). An app that cancels its work on `http.disconnect`
+  (the proxy, QuartTrio, the gRPC server) thereby cancels that bookkeeping, which runs in the
+  app's task, so such connections were never closed. The wrapper holds that one `http.disconnect`
+  back until the final `send()` has returned; a disconnect at any other time is passed on at once.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass, field
 
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.settings
+import trio
+from h2.stream import StreamState
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.events import Event as IOEvent
+from hypercorn.protocol.events import EndBody, EndData, Trailers
+from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_LOW_WATER, H2Protocol, StreamBuffer
+from hypercorn.trio.tcp_server import TCPServer
+from hyperframe.frame import GoAwayFrame
+from priority.priority import MissingStreamError, PriorityError, TooManyStreamsError
 
-__all__ = ["apply"]
+from stargate.asgi import ASGIApp, ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+
+__all__ = ["apply", "complete_response_before_disconnect"]
+
+log = logging.getLogger(__name__)
 
 _applied = False
+
+# h2 states in which this side may still send on a stream (neither ended by us nor reset).
+_SENDABLE = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE})
 
 
 def apply() -> None:
@@ -36,9 +88,19 @@ def apply() -> None:
     if _applied:
         return
     _applied = True
+    _fix_late_data()
+    _fix_back_pressure()
+    _fix_stream_lifecycle()
+    _contain_connection_failures()
+
+
+# --- pgjones/hypercorn#329, refused streams, GOAWAY rotation: what the connection receives -------
+
+
+def _fix_late_data() -> None:
     original = H2Protocol._handle_events
 
-    async def handle_events(self: Any, events: list[h2.events.Event]) -> None:
+    async def handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
         # One event at a time: an earlier event of the same batch may create the stream.
         for event in events:
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
@@ -46,10 +108,14 @@ def apply() -> None:
                     self.connection.acknowledge_received_data(
                         event.flow_controlled_length, event.stream_id
                     )
-                    # RFC 9113 §8.1: the response is complete; ask the client to stop sending.
-                    self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+                    if event.stream_id not in self.stream_buffers:
+                        # RFC 9113 §8.1: the response is complete; ask the client to stop sending.
+                        self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
                 except h2.exceptions.ProtocolError:
                     pass  # h2 already considers the stream closed
+                continue
+            if isinstance(event, h2.events.RequestReceived):
+                await _receive_request(self, event)
                 continue
             await original(self, [event])
         # Always, as the original does: h2 may have queued frames (a RST_STREAM for DATA on a
@@ -58,6 +124,90 @@ def apply() -> None:
 
     H2Protocol._handle_events = handle_events  # type: ignore[method-assign]
 
+
+@dataclass
+class _Rotation:
+    """An HTTP/2 connection that sent GOAWAY: it serves streams up to `last_stream_id`, then
+    closes once `drained` (no stream left)."""
+
+    last_stream_id: int
+    drained: trio.Event = field(default_factory=trio.Event)
+
+
+_rotations: weakref.WeakKeyDictionary[H2Protocol, _Rotation] = weakref.WeakKeyDictionary()
+
+
+async def _receive_request(proto: H2Protocol, event: h2.events.RequestReceived) -> None:
+    """Hypercorn's handling of a new stream, with the full tree and the rotation limit fixed."""
+    stream_id = event.stream_id
+    if proto.context.terminated.is_set():  # shutting down: as Hypercorn does
+        proto.connection.reset_stream(stream_id)
+        proto.connection.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0})
+        return
+    rotation = _rotations.get(proto)
+    if rotation is not None and stream_id > rotation.last_stream_id:
+        _refuse(proto, stream_id)  # sent before the client saw our GOAWAY; it may retry
+        return
+    try:
+        await proto._create_stream(event)
+    except TooManyStreamsError:
+        # Raised before the app was started for it: nothing else refers to the stream.
+        proto.streams.pop(stream_id, None)
+        proto.stream_buffers.pop(stream_id, None)
+        log.warning(
+            "HTTP/2 connection from %s: priority tree full, refusing stream %d",
+            _address(proto.client),
+            stream_id,
+        )
+        _refuse(proto, stream_id)
+        return
+    await proto.send(Updated(idle=False))
+    if rotation is None and proto.keep_alive_requests >= proto.config.keep_alive_max_requests:
+        await _begin_rotation(proto, stream_id)
+
+
+def _refuse(proto: H2Protocol, stream_id: int) -> None:
+    with contextlib.suppress(h2.exceptions.ProtocolError):
+        proto.connection.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+
+
+async def _begin_rotation(proto: H2Protocol, last_stream_id: int) -> None:
+    """Send GOAWAY without h2's `close_connection()`, which would fail the streams in flight.
+
+    h2 keeps no record of this GOAWAY, so it goes on sending and receiving on the open streams.
+    """
+    rotation = _Rotation(last_stream_id)
+    _rotations[proto] = rotation
+    goaway = GoAwayFrame(
+        stream_id=0, last_stream_id=last_stream_id, error_code=h2.errors.ErrorCodes.NO_ERROR
+    )
+    await proto._flush()
+    await proto.send(RawData(data=goaway.serialize()))
+    # In the connection's own task group: neither a stream's app nor its cancellation is involved.
+    proto.task_group.spawn(_close_when_drained, proto, rotation)
+
+
+async def _close_when_drained(proto: H2Protocol, rotation: _Rotation) -> None:
+    await rotation.drained.wait()
+    if not proto.closed:
+        await proto._flush()
+        await proto.send(Closed())
+
+
+def _check_drained(proto: H2Protocol) -> None:
+    rotation = _rotations.get(proto)
+    if rotation is not None and not proto.streams and not proto.stream_buffers:
+        rotation.drained.set()
+
+
+def _address(address: tuple[str, int] | None) -> str:
+    return "unknown" if address is None else f"{address[0]}:{address[1]}"
+
+
+# --- HTTP/2 back-pressure ------------------------------------------------------------------------
+
+
+def _fix_back_pressure() -> None:
     async def pop(self: StreamBuffer, max_length: int) -> bytes:
         length = min(len(self.buffer), max_length)
         data = bytes(self.buffer[:length])
@@ -69,3 +219,236 @@ def apply() -> None:
         return data
 
     StreamBuffer.pop = pop  # type: ignore[method-assign]
+
+
+# --- HTTP/2 stream lifecycle ---------------------------------------------------------------------
+
+
+def _can_send(proto: H2Protocol, stream_id: int) -> bool:
+    """Whether h2 still lets this side send on the stream."""
+    stream = proto.connection.streams.get(stream_id)
+    return stream is not None and stream.state_machine.state in _SENDABLE
+
+
+def _forget(proto: H2Protocol, stream_id: int) -> StreamBuffer | None:
+    """Take the stream off the send side: its buffer and its place in the priority tree."""
+    buffer = proto.stream_buffers.pop(stream_id, None)
+    with contextlib.suppress(MissingStreamError):
+        proto.priority.remove_stream(stream_id)
+    _check_drained(proto)
+    return buffer
+
+
+async def _release(proto: H2Protocol, stream_id: int) -> None:
+    """Forget the stream, and wake an app task paused in its buffer's `push` or `drain`."""
+    buffer = _forget(proto, stream_id)
+    if buffer is not None:
+        await buffer.close()
+
+
+def _fix_stream_lifecycle() -> None:
+    original_handle = H2Protocol.handle
+    original_stream_send = H2Protocol.stream_send
+    original_close_stream = H2Protocol._close_stream
+
+    async def send_data(self: H2Protocol, stream_id: int) -> None:
+        """The send task's turn for one stream (replaces Hypercorn's `_send_data`)."""
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is None:  # forgotten since the scheduler picked it
+            with contextlib.suppress(MissingStreamError):
+                self.priority.remove_stream(stream_id)
+            return
+        try:
+            chunk_size = max(
+                0,
+                min(
+                    self.connection.local_flow_control_window(stream_id),
+                    self.connection.max_outbound_frame_size,
+                ),
+            )
+            data = await buffer.pop(chunk_size)  # never yields: h2 gets `data` before anyone runs
+            if buffer.complete:
+                # The last byte: END_STREAM goes with it now, not on a later turn, which the
+                # scheduler can postpone for as long as newer streams keep arriving.
+                self.connection.send_data(stream_id, data, end_stream=True)
+                _forget(self, stream_id)
+            elif data:
+                self.connection.send_data(stream_id, data)
+            else:
+                self.priority.block(stream_id)
+                return
+            await self._flush()
+        except (h2.exceptions.ProtocolError, MissingStreamError):
+            # The stream or the connection closed while this stream waited to send.
+            await _release(self, stream_id)
+
+    async def stream_send(self: H2Protocol, event: StreamEvent) -> None:
+        if isinstance(event, EndBody | EndData):
+            await _end_body(self, event.stream_id)
+        elif isinstance(event, Trailers):
+            await _send_trailers(self, event)
+        else:
+            await original_stream_send(self, event)
+
+    async def close_stream(self: H2Protocol, stream_id: int) -> None:
+        """The exchange is over (app finished, client reset, or connection closed)."""
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is not None:
+            if self.closed or not _can_send(self, stream_id):
+                await _release(self, stream_id)
+            elif not buffer._complete:
+                # The app stopped before completing its response (it failed mid-body, or before
+                # its trailers): without a reset the client would wait for the rest forever.
+                with contextlib.suppress(h2.exceptions.ProtocolError):
+                    self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                await _release(self, stream_id)
+                await self._flush()
+            # Otherwise the response is complete with data still queued: the send task ends it.
+        await original_close_stream(self, stream_id)
+        _check_drained(self)
+
+    async def handle(self: H2Protocol, event: IOEvent) -> None:
+        await original_handle(self, event)
+        if isinstance(event, Closed):
+            # Streams whose app had finished but whose last bytes were still queued.
+            for stream_id in list(self.stream_buffers):
+                await _release(self, stream_id)
+            _check_drained(self)
+
+    async def priority_updated(self: H2Protocol, event: h2.events.PriorityUpdated) -> None:
+        stream_id = event.stream_id
+        if stream_id in self.stream_buffers:
+            depends_on = event.depends_on if event.depends_on in self.stream_buffers else None
+            with contextlib.suppress(PriorityError):
+                self.priority.reprioritize(
+                    stream_id=stream_id,
+                    depends_on=depends_on,
+                    weight=16 if event.weight is None else event.weight,
+                    exclusive=bool(event.exclusive),
+                )
+        await self.has_data.set()
+
+    H2Protocol._send_data = send_data  # type: ignore[method-assign]
+    H2Protocol.stream_send = stream_send  # type: ignore[method-assign]
+    H2Protocol._close_stream = close_stream  # type: ignore[method-assign]
+    H2Protocol.handle = handle  # type: ignore[method-assign]
+    H2Protocol._priority_updated = priority_updated  # type: ignore[method-assign]
+
+
+async def _end_body(proto: H2Protocol, stream_id: int) -> None:
+    """The app's response body is complete."""
+    buffer = proto.stream_buffers.get(stream_id)
+    if buffer is None:
+        return  # ended already: reset, or closed by trailers
+    buffer.set_complete()
+    if buffer.buffer:
+        # Data still queued: the send task sends END_STREAM with the last of it.
+        with contextlib.suppress(MissingStreamError):
+            proto.priority.unblock(stream_id)
+        await proto.has_data.set()
+        await buffer.drain()
+        return
+    # Everything is with h2 already (`pop` hands data over without yielding): end it here.
+    with contextlib.suppress(h2.exceptions.ProtocolError):
+        proto.connection.end_stream(stream_id)
+    _forget(proto, stream_id)
+    await proto._flush()
+
+
+async def _send_trailers(proto: H2Protocol, event: Trailers) -> None:
+    """Trailers end the stream: nothing can be sent on it afterwards."""
+    stream_id = event.stream_id
+    buffer = proto.stream_buffers.get(stream_id)
+    if buffer is None:
+        return
+    if buffer.buffer:
+        with contextlib.suppress(MissingStreamError):
+            proto.priority.unblock(stream_id)
+        await proto.has_data.set()
+        await buffer.drain()
+        if proto.stream_buffers.get(stream_id) is not buffer:
+            return  # reset while its body drained
+    with contextlib.suppress(h2.exceptions.ProtocolError):
+        proto.connection.send_headers(stream_id, event.headers, end_stream=True)
+    _forget(proto, stream_id)
+    await proto._flush()
+
+
+# --- contained connection failures ---------------------------------------------------------------
+
+
+def _contain_connection_failures() -> None:
+    original_run = TCPServer.run
+
+    async def run(self: TCPServer) -> None:
+        peer = _peer(self.stream)
+        try:
+            await original_run(self)
+        except* Exception as group:  # trio.Cancelled and KeyboardInterrupt are not Exceptions
+            log.error(
+                "closing the connection from %s after an unexpected error in its task",
+                peer,
+                exc_info=group,
+            )
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self.stream.aclose()
+
+    TCPServer.run = run  # type: ignore[method-assign]
+
+
+def _peer(stream: object) -> str:
+    sock = getattr(stream, "socket", None)
+    try:
+        host, port = sock.getpeername()[:2]  # type: ignore[union-attr]
+    except (AttributeError, OSError):
+        return "unknown"
+    return f"{host}:{port}"
+
+
+# --- responses complete before http.disconnect ---------------------------------------------------
+
+
+def complete_response_before_disconnect(app: ASGIApp) -> ASGIApp:
+    """Wrap `app` so Hypercorn can finish a response before the app hears `http.disconnect`.
+
+    While the `send()` that completes the response runs, an `http.disconnect` it produces is held
+    back from `receive()` until that `send()` returns; nothing is shielded, so a shutdown can
+    still cancel the app. Every other disconnect (a client leaving mid-stream) is delivered at
+    once, so the proxy still cancels its upstream request within milliseconds.
+    """
+
+    async def wrapped(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        completing: trio.Event | None = None
+
+        async def send_final(message: ASGIMessage) -> None:
+            nonlocal completing
+            if not _completes_response(message):
+                await send(message)
+                return
+            completing = trio.Event()
+            try:
+                await send(message)
+            finally:
+                completing.set()
+
+        async def receive_held() -> ASGIMessage:
+            message = await receive()
+            if message["type"] == "http.disconnect" and completing is not None:
+                await completing.wait()
+            return message
+
+        await app(scope, receive_held, send_final)
+
+    return wrapped
+
+
+def _completes_response(message: ASGIMessage) -> bool:
+    kind = message["type"]
+    if kind == "http.response.body":
+        return not message.get("more_body", False)
+    if kind == "http.response.trailers":
+        return not message.get("more_trailers", False)
+    return False

@@ -89,6 +89,10 @@ hypercorn_fixes.apply()
 
 LISTEN_BACKLOG = 1024
 STOP_POOL_MEMBERS_SECONDS = 15.0
+# Requests one client connection may carry before it is rotated (HTTP/2 GOAWAY, HTTP/1.1
+# `Connection: close`), on every listener but the control plane's (docs/http-serving.md).
+MAX_REQUESTS_PER_CONNECTION = 10_000
+UNLIMITED_REQUESTS_PER_CONNECTION = 2**31
 
 
 class StartupError(RuntimeError):
@@ -126,15 +130,24 @@ def _bound_address(sock: socket.socket) -> ListenAddress:
     return ListenAddress(host, port)
 
 
-def _hypercorn_config(graceful_timeout: float) -> HypercornConfig:
+def _hypercorn_config(
+    graceful_timeout: float, *, rotate_connections: bool = False
+) -> HypercornConfig:
+    """Hypercorn's settings for one listener.
+
+    `rotate_connections`: after `MAX_REQUESTS_PER_CONNECTION` requests an HTTP/2 connection gets
+    GOAWAY (its streams in flight finish; the client reconnects) and an HTTP/1.1 one gets
+    `Connection: close`. Off for the control-plane listener, whose Pylon channels carry
+    registration streams for the life of the Pylon, and by default (docs/http-serving.md).
+    """
     config = HypercornConfig()
     # Our own drain deadline decides when in-flight work is cut; Hypercorn's must not fire first.
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    # Hypercorn closes an HTTP/2 connection after 1000 requests by default, failing the 1001st
-    # gRPC call of a Pylon's channel with UNAVAILABLE; connections here are long-lived by design.
-    config.keep_alive_max_requests = 2**31
+    config.keep_alive_max_requests = (
+        MAX_REQUESTS_PER_CONNECTION if rotate_connections else UNLIMITED_REQUESTS_PER_CONNECTION
+    )
     return config
 
 
@@ -151,15 +164,18 @@ async def serve_asgi(
 ) -> None:
     """Serve `app` on an already-bound socket with Hypercorn's trio worker, in this task.
 
-    Returns after `shutdown_trigger` returns and every open connection has finished.
+    Returns after `shutdown_trigger` returns and every open connection has finished. The app is
+    wrapped so Hypercorn completes each response (closing the connection, or starting its
+    keep-alive idle timer) before the app hears `http.disconnect` (docs/http-serving.md).
     """
 
     class _Started:
         def started(self, value: object = None) -> None:
             task_status.started()
 
+    served: ASGIApp = hypercorn_fixes.complete_response_before_disconnect(app)
     await worker_serve(
-        wrap_app(app, config.wsgi_max_body_size, "asgi"),
+        wrap_app(served, config.wsgi_max_body_size, "asgi"),
         config,
         sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
         shutdown_trigger=shutdown_trigger,
@@ -317,8 +333,9 @@ class Replica:
                     fallback=cast(ASGIApp, self.http_app),
                     activator=self.activator,
                 )
-                servers: list[tuple[str, ASGIApp, socket.socket]] = [
-                    ("HTTP server", proxy_app, http_sock),
+                listener_config = functools.partial(_hypercorn_config, graceful)
+                servers: list[tuple[str, ASGIApp, socket.socket, HypercornConfig]] = [
+                    ("HTTP server", proxy_app, http_sock, listener_config(rotate_connections=True)),
                     (
                         "control-plane gRPC server",
                         control_plane_app(
@@ -328,6 +345,7 @@ class Replica:
                             max_message_bytes=max_bytes,
                         ),
                         grpc_sock,
+                        listener_config(rotate_connections=False),  # long-lived Pylon channels
                     ),
                     (
                         "model-discovery gRPC server",
@@ -335,15 +353,21 @@ class Replica:
                             self.routing, serving=self.readiness, max_message_bytes=max_bytes
                         ),
                         discovery_sock,
+                        listener_config(rotate_connections=True),
                     ),
-                    ("metrics server", metrics_asgi_app(self.registry), metrics_sock),
+                    (
+                        "metrics server",
+                        metrics_asgi_app(self.registry),
+                        metrics_sock,
+                        listener_config(rotate_connections=True),
+                    ),
                 ]
-                for name, app, sock in servers:
+                for name, app, sock, hypercorn_config in servers:
                     serve = functools.partial(
                         serve_asgi,
                         self._in_flight.track(app),
                         sock,
-                        _hypercorn_config(graceful),
+                        hypercorn_config,
                         self._shutdown_started.wait,
                     )
                     await services.start(self._critical, name, serve)
