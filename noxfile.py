@@ -49,6 +49,14 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def rollout(session: nox.Session) -> None:
+    """Rolling-restart rehearsal on loopback: `nox -s rollout -- [--warmup both] [--runs K]`
+    (see benchmarks/rollout.py); tables on stdout, PNG timelines in benchmarks/out/."""
+    session.install("-e", ".[test,bench]")
+    session.run("python", "-m", "benchmarks.rollout", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def helm(session: nox.Session) -> None:
     """The Helm chart, offline: render, values schema, kubernetes-validate --strict, yamllint."""
     session.install(

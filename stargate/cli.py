@@ -383,6 +383,15 @@ def main() -> None:
     help="Prefix of every metric name (e.g. llm_request_router_).",
 )
 @option(
+    "--shutdown-delay-ms",
+    envvar="STARGATE_SHUTDOWN_DELAY_MS",
+    type=NON_NEGATIVE_INT,
+    default=5_000,
+    help="After SIGTERM, how long the replica keeps serving while it leaves the Service "
+    "(/readyz 503, connections told to close) before it stops accepting. Cover your endpoint "
+    "propagation time. SIGINT skips it; 0 stops accepting at once.",
+)
+@option(
     "--shutdown-drain-timeout-ms",
     envvar="STARGATE_SHUTDOWN_DRAIN_TIMEOUT_MS",
     type=NON_NEGATIVE_INT,
@@ -427,6 +436,7 @@ def serve(
     pool_controller_timeout_ms: int,
     metrics_port: int,
     metrics_prefix: str,
+    shutdown_delay_ms: int,
     shutdown_drain_timeout_ms: int,
     readiness_warmup_ms: int,
     warmup_sample_interval_ms: int,
@@ -444,6 +454,7 @@ def serve(
             advertise_addr=advertise_addr,
             metrics_port=metrics_port,
             metrics_prefix=metrics_prefix,
+            shutdown_delay_ms=shutdown_delay_ms,
             shutdown_drain_timeout_ms=shutdown_drain_timeout_ms,
             warmup=WarmupConfig(
                 warmup_ms=readiness_warmup_ms,

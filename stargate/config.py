@@ -218,6 +218,7 @@ class ServeConfig:
     advertise_addr: ListenAddress | None = None
     metrics_port: int = 9090
     metrics_prefix: str = "stargate_"
+    shutdown_delay_ms: int = 5_000
     shutdown_drain_timeout_ms: int = 30_000
     warmup: WarmupConfig = WarmupConfig()
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
@@ -232,6 +233,8 @@ class ServeConfig:
             raise ConfigError("metrics port must be from 0 to 65535")
         if self.shutdown_drain_timeout_ms < 0:
             raise ConfigError("shutdown drain timeout must not be negative")
+        if self.shutdown_delay_ms < 0:
+            raise ConfigError("shutdown delay must not be negative")
         validate_metrics_prefix(self.metrics_prefix)
 
     @property
@@ -242,3 +245,7 @@ class ServeConfig:
     @property
     def shutdown_drain_timeout_seconds(self) -> float:
         return self.shutdown_drain_timeout_ms / 1000
+
+    @property
+    def shutdown_delay_seconds(self) -> float:
+        return self.shutdown_delay_ms / 1000

@@ -116,6 +116,7 @@ class Demo:
                 f"--warmup-stabilization-window={warmup.stabilization_window}",
                 "--disable-dns-discovery",
                 "--accept-openai-requests",
+                "--shutdown-delay-ms=0",  # no Service to leave: Ctrl-C stops at once
                 "--log-level=warning",
             ),
         )

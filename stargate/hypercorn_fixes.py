@@ -39,6 +39,8 @@ can expect as a result is in docs/http-serving.md.
   request that hit the limit included, then fails. The fix sends GOAWAY naming the last stream it
   will serve, finishes the streams up to it, refuses later ones with REFUSED_STREAM, and closes
   the connection once they are done.
+* `leave(config)` is not a fix but uses the rotation: during a shutdown's leave phase it tells
+  every client of a listener to move on (docs/rolling-restarts.md).
 * Responses complete before `http.disconnect` (`complete_response_before_disconnect`): Hypercorn
   delivers `http.disconnect` to the app from inside the app's final `send()`, before it has done
   its own bookkeeping for the finished response (close the connection for `Connection: close` or
@@ -61,6 +63,7 @@ import h2.exceptions
 import h2.settings
 import trio
 from h2.stream import StreamState
+from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.events import Event as IOEvent
 from hypercorn.protocol.events import EndBody, EndData, Trailers
@@ -72,7 +75,7 @@ from priority.priority import MissingStreamError, PriorityError, TooManyStreamsE
 
 from stargate.asgi import ASGIApp, ASGIMessage, ASGIReceive, ASGIScope, ASGISend
 
-__all__ = ["apply", "complete_response_before_disconnect"]
+__all__ = ["apply", "complete_response_before_disconnect", "leave"]
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +138,34 @@ class _Rotation:
 
 
 _rotations: weakref.WeakKeyDictionary[H2Protocol, _Rotation] = weakref.WeakKeyDictionary()
+# Every HTTP/2 connection that has received a request, so `leave` can reach the idle ones.
+_connections: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+
+
+def leave(config: HypercornConfig) -> None:
+    """Ask every client of the listener served with `config` to move to another server, without
+    failing a request (the leave phase of a shutdown, docs/rolling-restarts.md).
+
+    From now on every HTTP/1.1 answer carries `Connection: close` and the connection closes after
+    it; every HTTP/2 connection gets the graceful GOAWAY of the rotation (streams in flight
+    finish, and so does a request already on its way). The listener keeps accepting: a client
+    that still connects is served the same way.
+    """
+    config.keep_alive_max_requests = 0
+    for proto in list(_connections):
+        if proto.config is config and not proto.closed and proto not in _rotations:
+            proto.task_group.spawn(_rotate, proto)
+
+
+async def _rotate(proto: H2Protocol) -> None:
+    if proto not in _rotations and not proto.closed:
+        await _begin_rotation(proto, proto.connection.highest_inbound_stream_id)
 
 
 async def _receive_request(proto: H2Protocol, event: h2.events.RequestReceived) -> None:
     """Hypercorn's handling of a new stream, with the full tree and the rotation limit fixed."""
     stream_id = event.stream_id
+    _connections.add(proto)
     if proto.context.terminated.is_set():  # shutting down: as Hypercorn does
         proto.connection.reset_stream(stream_id)
         proto.connection.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0})

@@ -7,8 +7,9 @@ the scope ends, whichever comes first of
 * stabilization: the total active backend count read from the routing state has been nonzero and
   unchanged for `stabilization_window` samples;
 * the deadline (`--readiness-warmup-ms`), which promotes even with zero backends;
-* shutdown: `begin_draining()` cancels the scope, so nothing ever waits on a warmup that cannot
-  finish; `/readyz` stays 503 because the replica is draining.
+* shutdown: `begin_leaving()` (or `begin_draining()` when there is no leave phase) cancels the
+  scope, so nothing ever waits on a warmup that cannot finish; `/readyz` stays 503 from then on
+  (phase `leaving`, then `draining`; docs/rolling-restarts.md).
 
 Promotion is latched: once warm, a later drop of the backend count to zero does not make the
 replica unready (the proxy answers such requests itself; pulling every replica out of the Service
@@ -50,7 +51,7 @@ class ReadinessState:
     """A point-in-time view for `/readyz` bodies and `/debug` pages."""
 
     ready: bool
-    phase: str  # "warming", "ready" or "draining"
+    phase: str  # "warming", "ready", "leaving" or "draining"
     promotion: Promotion | None
     stable_samples: int
     sampled_backend_count: int | None
@@ -71,6 +72,7 @@ class Readiness:
         self._promoted = trio.Event()
         self._promotion: Promotion | None = None
         self._draining = False
+        self._leaving = False  # set with draining, or alone first during the leave phase
         self._started_at: float | None = None
         self._samples = 0
         self._stable_samples = 0
@@ -85,7 +87,7 @@ class Readiness:
     @property
     def ready(self) -> bool:
         """True when `/readyz` should answer 200."""
-        return self._promotion is not None and not self._draining
+        return self._promotion is not None and not self._leaving
 
     @property
     def warm(self) -> bool:
@@ -98,15 +100,15 @@ class Readiness:
 
     @property
     def accepting_work(self) -> bool:
-        """True until the replica starts turning new work away (today: until it drains).
+        """True until a shutdown begins (the leave phase, then draining).
 
         Unlike `ready` it is True while warming: a warming replica must take Pylon registrations
         (they are what ends warmup) and can answer model discovery from its routing state. The
         gRPC health service answers SERVING exactly while this holds, so it depends on this one
-        predicate, not on phase names: a phase added before draining that sheds new work must
-        make this False and call `_notify_change`.
+        predicate, not on phase names. While leaving the replica still serves what reaches it,
+        but health checkers should move new work elsewhere, exactly as `/readyz` says.
         """
-        return not self._draining
+        return not self._leaving
 
     def next_change(self) -> trio.Event:
         """An event set at the next change of `warm`, `ready`, `draining` or `accepting_work`.
@@ -121,9 +123,16 @@ class Readiness:
     def promotion(self) -> Promotion | None:
         return self._promotion
 
+    @property
+    def leaving(self) -> bool:
+        """True from the start of a shutdown (the leave phase, then draining)."""
+        return self._leaving
+
     def state(self) -> ReadinessState:
         if self._draining:
             phase = "draining"
+        elif self._leaving:
+            phase = "leaving"
         elif self._promotion is None:
             phase = "warming"
         else:
@@ -163,19 +172,31 @@ class Readiness:
                     self._promote(outcome.promotion, elapsed=trio.current_time() - started_at)
                     return
 
+    def begin_leaving(self) -> None:
+        """Shutdown has begun with a leave phase (docs/rolling-restarts.md): `/readyz` turns 503
+        now and for good, and warmup ends if running, while the replica still serves."""
+        if self._leaving:
+            return
+        self._leaving = True
+        self._end_readiness()
+
     def begin_draining(self) -> None:
-        """Shutdown has begun: `/readyz` turns 503 now and for good; warmup ends if running."""
+        """The replica stops accepting: phase `draining` (after `begin_leaving`, or at once)."""
         if self._draining:
             return
         self._draining = True
+        self._leaving = True
+        self._end_readiness()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _end_readiness(self) -> None:
         if self._promotion is None:
             elapsed = 0.0 if self._started_at is None else trio.current_time() - self._started_at
             self._promote(PromotionReason.SHUTDOWN, elapsed=elapsed)
         if self._metrics is not None:
             self._metrics.ready.set(0)
         self._notify_change()
-
-    # ---- internals ------------------------------------------------------------------------------
 
     def _notify_change(self) -> None:
         """Wake every `next_change` waiter; later waiters get a fresh event."""

@@ -1,11 +1,15 @@
 """One replica: bind the listeners, run every server and background task in one trio nursery,
 and shut down gracefully on SIGTERM/SIGINT.
 
-Shutdown (control-plane spec §4.2): the first signal makes `/readyz` answer 503, ends warmup, and
-tells every server to stop accepting and let in-flight requests and streams finish. If they have
-not finished within `--shutdown-drain-timeout-ms`, or a second signal arrives, the remaining work
-is cancelled and the process exits 1; a drain that completes exits 0. A critical task (a server)
-that ends on its own also begins a shutdown, and the exit code is then 1.
+Shutdown has two phases (docs/rolling-restarts.md). SIGTERM first *leaves*: for
+`--shutdown-delay-ms` `/readyz` answers 503 and `WatchStargates` stops announcing this replica,
+while every listener keeps accepting and every request is served as usual (HTTP/1.1 answers carry
+`Connection: close`, HTTP/2 connections get GOAWAY, so pooled clients move on). Then it
+*drains*: the servers stop accepting, registration and watch streams end, and in-flight requests
+and streams finish. If they have not finished within `--shutdown-drain-timeout-ms`, or a second
+signal arrives, the remaining work is cancelled and the process exits 1; a drain that completes
+exits 0. SIGINT, and a critical task (a server) that ends on its own, skip the leave phase; the
+latter also makes the exit code 1.
 """
 
 from __future__ import annotations
@@ -237,7 +241,9 @@ class Replica:
             debug_config=self._debug_config,
             accept_openai_requests=config.proxy.accept_openai_requests,
         )
-        self._shutdown_started = trio.Event()
+        self._leaving = False  # the shutdown has begun (first with the leave phase, if any)
+        self._shutdown_started = trio.Event()  # the servers stop accepting: draining
+        self._listener_configs: list[HypercornConfig] = []
         self._services_scope: trio.CancelScope | None = None
         self._services: trio.Nursery | None = None
         self._drain_deadline: float | None = None
@@ -248,16 +254,49 @@ class Replica:
 
     @property
     def shutting_down(self) -> bool:
-        return self._shutdown_started.is_set()
+        """True from the first signal on (leaving or draining)."""
+        return self._leaving
 
-    def begin_shutdown(self) -> None:
-        """Start a graceful shutdown (idempotent): unready now, stop accepting, drain.
+    def begin_shutdown(self, *, leave: bool = True) -> None:
+        """Start a graceful shutdown (idempotent): unready now, then stop accepting and drain.
 
-        Registration streams end with OK (their routes removed) and WatchStargates streams end,
-        so Pylons move to other replicas while in-flight requests finish.
+        With `leave` (SIGTERM) and a nonzero `--shutdown-delay-ms`, the replica first serves on
+        for the delay while clients and Pylons move to other replicas; nothing but
+        `force_exit()` or a later `begin_shutdown(leave=False)` cuts that short. Without it
+        (SIGINT, a critical failure) it stops accepting at once.
         """
+        if self._leaving:
+            if not leave:
+                self._stop_accepting()
+            return
+        self._leaving = True
+        if not leave or self.config.shutdown_delay_ms == 0:
+            self._stop_accepting()
+            return
+        log.info(
+            "leaving: /readyz answers 503 and clients are asked to move on; still serving for "
+            "%g s before draining",
+            self.config.shutdown_delay_seconds,
+        )
+        self.readiness.begin_leaving()
+        if self.publisher is not None:
+            self.publisher.leave()
+        self.registrations.leave()
+        for config in self._listener_configs:
+            hypercorn_fixes.leave(config)
+        if self._services is not None:
+            self._services.start_soon(self._leave_then_drain)
+
+    async def _leave_then_drain(self) -> None:
+        await trio.sleep(self.config.shutdown_delay_seconds)
+        self._stop_accepting()
+
+    def _stop_accepting(self) -> None:
+        """The drain: stop accepting, end registration and watch streams (routes removed, so
+        Pylons stay with the other replicas) and let in-flight requests and streams finish."""
         if self._shutdown_started.is_set():
             return
+        self._leaving = True
         log.info("entering draining mode")
         self.readiness.begin_draining()
         if self.publisher is not None:
@@ -273,7 +312,7 @@ class Replica:
     def force_exit(self) -> None:
         """Stop draining now: cancel whatever is still running; the exit code will be 1."""
         self._forced = True
-        self.begin_shutdown()
+        self.begin_shutdown(leave=False)
         if self._services_scope is not None:
             self._services_scope.cancel()
 
@@ -316,6 +355,8 @@ class Replica:
                 self._services = services
                 if self._shutdown_started.is_set():
                     services.start_soon(self._finish_drain)
+                elif self._leaving:
+                    services.start_soon(self._leave_then_drain)
                 if self._drain_deadline is not None:
                     services.cancel_scope.deadline = self._drain_deadline
                 if config.warmup.enabled:
@@ -363,6 +404,9 @@ class Replica:
                     ),
                 ]
                 for name, app, sock, hypercorn_config in servers:
+                    self._listener_configs.append(hypercorn_config)
+                    if self._leaving:  # a signal came during start-up
+                        hypercorn_fixes.leave(hypercorn_config)
                     serve = functools.partial(
                         serve_asgi,
                         self._in_flight.track(app),
@@ -416,7 +460,7 @@ class Replica:
             if not self._shutdown_started.is_set():
                 log.error("%s exited unexpectedly; beginning shutdown", name)
                 self._failed = True
-                self.begin_shutdown()
+                self.begin_shutdown(leave=False)
 
     async def _start_activator(self, services: trio.Nursery) -> Activator | None:
         """Build the pools' controllers and run the activator in the service nursery."""
@@ -622,11 +666,13 @@ def describe(config: object) -> str:
 
 
 async def _watch_signals(signals: AsyncIterator[int], replica: Replica) -> None:
+    """SIGTERM (an orchestrator) leaves then drains; SIGINT (a person at a terminal) drains at
+    once; a second signal of either kind forces exit 1."""
     async for signum in signals:
         name = signal.Signals(signum).name
         if not replica.shutting_down:
             log.info("received %s, beginning graceful shutdown", name)
-            replica.begin_shutdown()
+            replica.begin_shutdown(leave=signum != signal.SIGINT)
         else:
             log.warning("received %s during shutdown", name)
             replica.force_exit()

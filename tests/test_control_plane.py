@@ -446,7 +446,7 @@ def test_static_token_authenticates_streams(tmp_path: Path, backend: FakeBackend
 def test_shutdown_ends_registration_streams_ok_and_exits_0(
     tmp_path: Path, backend: FakeBackend
 ) -> None:
-    replica = start_replica(tmp_path)
+    replica = start_replica(tmp_path, "--shutdown-delay-ms=0")
     try:
         stream = replica.stream()
         stream.exchange(registration("bye-1", backend.url, ["bye-model"]))

@@ -398,6 +398,29 @@ async def test_change_is_published_on_the_next_poll(autojump_clock: MockClock) -
     assert resolver.calls == 5  # t = 0, 1, 2, 3, 4
 
 
+async def test_leaving_publishes_at_once_without_self_and_keeps_streams_open(
+    autojump_clock: MockClock,
+) -> None:
+    resolver = FakeResolver(ips=[SELF_IP, "10.0.0.2"])
+    publisher = WatchPublisher(make_config(), resolver)
+    received: list[tuple[float, WatchSnapshot]] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        nursery.start_soon(collect, publisher.subscribe(), received)
+        await trio.sleep(1.5)
+        publisher.leave()
+        publisher.leave()  # idempotent: no second publication
+        await trio.lowlevel.checkpoint()
+        assert ids(publisher.current()) == ["10.0.0.2:50071"]
+        await trio.sleep(2.0)  # later polls still omit this replica (DNS still lists it)
+        late = await publisher.subscribe().__anext__()
+        publisher.stop()
+    assert times(received) == [0.0, 1.5]
+    assert ids(received[0][1]) == ["10.0.0.2:50071", "sg-0"]
+    assert ids(received[1][1]) == ["10.0.0.2:50071"]
+    assert ids(late) == ["10.0.0.2:50071"]
+
+
 async def test_unchanged_snapshot_is_resent_only_at_heartbeat(autojump_clock: MockClock) -> None:
     publisher = WatchPublisher(make_config(watch_heartbeat_ms=3000), FakeResolver())
     received: list[tuple[float, WatchSnapshot]] = []

@@ -641,7 +641,9 @@ def test_v1_reflection_answers_on_both_ports(warming: WarmingReplica) -> None:
 def test_sigterm_turns_watch_to_not_serving_and_health_streams_do_not_hold_the_drain(
     start_stargate: Callable[..., StargateProcess],
 ) -> None:
-    replica = _start_warming_replica(start_stargate, "--shutdown-drain-timeout-ms=30000")
+    replica = _start_warming_replica(
+        start_stargate, "--shutdown-drain-timeout-ms=30000", "--shutdown-delay-ms=2000"
+    )
     release: queue.Queue[None] = queue.Queue()
 
     def held_requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
@@ -670,7 +672,12 @@ def test_sigterm_turns_watch_to_not_serving_and_health_streams_do_not_hold_the_d
 
         replica.process.process.send_signal(signal.SIGTERM)
         for watch in watches:
-            assert next(watch).status == NOT_SERVING
+            assert next(watch).status == NOT_SERVING  # leaving: still open, still answering
+        # The leave phase (docs/rolling-restarts.md): the listeners still accept, and a new
+        # Check hears NOT_SERVING itself.
+        for channel, service in [(replica.control, CONTROL_PLANE), (replica.discovery, "")]:
+            assert _check(channel, service, timeout=3) == NOT_SERVING
+        for watch in watches:
             assert list(watch) == []  # ended with OK: Watch does not hold the drain open
             assert watch.code() == grpc.StatusCode.OK
 

@@ -220,6 +220,7 @@ DEFAULT_ARGS = [
     "--advertise-addr=$(POD_IP):50071",
     f"--stargate-discovery-dns-name={HEADLESS_FQDN}",
     "--metrics-port=9090",
+    "--shutdown-delay-ms=5000",
     "--shutdown-drain-timeout-ms=30000",
 ]
 
@@ -240,7 +241,7 @@ def test_default_rendering(chart: Any, cli: Any) -> None:
     assert spec["podManagementPolicy"] == "Parallel"
     assert spec["updateStrategy"] == {"type": "RollingUpdate"}
     assert spec["minReadySeconds"] == 10
-    assert r.pod["terminationGracePeriodSeconds"] == 30 + 5
+    assert r.pod["terminationGracePeriodSeconds"] == 5 + 30 + 5  # leave + drain + margin
     assert r.pod["automountServiceAccountToken"] is False
 
     c = r.container
@@ -337,7 +338,7 @@ def test_large_values_render_as_plain_integers(chart: Any, cli: Any) -> None:
     values = {
         "readiness": {"warmupMs": 100_000_000, "warmupSampleIntervalMs": 1_000_000},
         "minReadySeconds": 5_000_000,
-        "shutdown": {"drainTimeoutMs": 1_000_001},
+        "shutdown": {"delayMs": 0, "drainTimeoutMs": 1_000_001},
         "serve": {"proxyMaxReplayBodyBytes": 1_000_000_000, "grpcMaxMessageBytes": 16_777_216},
     }
     r = render(chart, values)
@@ -359,16 +360,35 @@ def test_large_values_render_as_plain_integers(chart: Any, cli: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("drain_ms", "margin", "grace"),
-    [(30_000, 5, 35), (0, 5, 5), (1, 0, 1), (29_001, 2, 32), (45_000, 10, 55)],
+    ("delay_ms", "drain_ms", "margin", "grace"),
+    [
+        (0, 30_000, 5, 35),
+        (5_000, 30_000, 5, 40),
+        (0, 0, 5, 5),
+        (0, 1, 0, 1),
+        (500, 501, 0, 2),
+        (1_000, 29_001, 2, 33),
+        (10_000, 45_000, 10, 65),
+    ],
 )
-def test_termination_grace_is_drain_rounded_up_plus_margin(
-    chart: Any, drain_ms: int, margin: int, grace: int
+def test_termination_grace_is_delay_plus_drain_rounded_up_plus_margin(
+    chart: Any, cli: Any, delay_ms: int, drain_ms: int, margin: int, grace: int
 ) -> None:
-    values = {"shutdown": {"drainTimeoutMs": drain_ms, "terminationGraceMarginSeconds": margin}}
+    values = {
+        "shutdown": {
+            "delayMs": delay_ms,
+            "drainTimeoutMs": drain_ms,
+            "terminationGraceMarginSeconds": margin,
+        }
+    }
     r = render(chart, values)
     assert r.pod["terminationGracePeriodSeconds"] == grace
+    assert f"--shutdown-delay-ms={delay_ms}" in r.args
     assert f"--shutdown-drain-timeout-ms={drain_ms}" in r.args
+    code, output, config = cli(substitute(r.args))
+    assert code == 0, output
+    assert config is not None
+    assert (config.shutdown_delay_ms, config.shutdown_drain_timeout_ms) == (delay_ms, drain_ms)
 
 
 def test_min_ready_seconds_must_cover_the_stability_window(chart: Any) -> None:
@@ -400,7 +420,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
         "replicaCount": 1,
         "ports": {"http": 18000, "grpc": 15071, "discovery": 15073, "metrics": 19090},
         "readiness": {"warmupMs": 0, "warmupSampleIntervalMs": 250, "warmupStabilizationWindow": 3},
-        "shutdown": {"drainTimeoutMs": 0},
+        "shutdown": {"delayMs": 250, "drainTimeoutMs": 0},
         "serve": {
             "stargateId": "replica-x",
             "advertiseAddr": "10.9.9.9:15071",
@@ -483,6 +503,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert config.metrics_port == 19090
     assert config.metrics_prefix == "llm_request_router_"
     assert config.shutdown_drain_timeout_ms == 0
+    assert config.shutdown_delay_ms == 250
     assert config.warmup == WarmupConfig(0, 250, 3)
     d = config.discovery
     assert d.dns_name is None
@@ -701,6 +722,7 @@ def test_schema_accepts_warmup_values(chart: Any, key: str, good: object) -> Non
         {"readiness": {"warmupMillis": 1}},
         {"ports": {"http": 0}},
         {"shutdown": {"drainTimeoutMs": None}},
+        {"shutdown": {"delayMs": -1}},
         {"pools": {"kubernetes": {"customResources": [{"apiGroup": "x"}]}}},
     ],
     ids=json.dumps,

@@ -24,6 +24,7 @@ def test_serve_warms_up_serves_probes_and_metrics_and_drains_on_sigterm(
         "--stargate-id=e2e-replica",
         *ports.args(),
         f"--readiness-warmup-ms={WARMUP_MS}",
+        "--shutdown-delay-ms=0",  # the leave phase has tests of its own (test_rolling_restart)
         "--shutdown-drain-timeout-ms=5000",
     )
     base = f"http://127.0.0.1:{http_port}"
@@ -105,7 +106,9 @@ def test_idle_keep_alive_connections_do_not_hold_the_drain(
 ) -> None:
     """A kubelet or load balancer keeps connections open; SIGTERM must still exit promptly."""
     ports = Ports.pick()
-    replica = start_stargate("serve", *ports.args(), "--readiness-warmup-ms=0")
+    replica = start_stargate(
+        "serve", *ports.args(), "--readiness-warmup-ms=0", "--shutdown-delay-ms=0"
+    )
     with httpx.Client(timeout=5) as client:  # stays open (keep-alive) across the SIGTERM
         wait_until(
             lambda: client.get(f"http://127.0.0.1:{ports.http}/readyz").status_code == 200,

@@ -542,6 +542,7 @@ class WatchPublisher:
         self._version = 0
         self._changed = trio.Event()
         self._stopped = False
+        self._leaving = False
         self._ran = False
         self._run_scope: trio.CancelScope | None = None
         self._dns_failing = False
@@ -576,6 +577,23 @@ class WatchPublisher:
         """
         return WatchSubscription(self)
 
+    def leave(self) -> None:
+        """Stop announcing this replica: from now on every snapshot omits it (the leave phase of
+        a shutdown, docs/rolling-restarts.md), so no Pylon starts a registration with a replica
+        that is about to go. Streams stay open and keep receiving publications. Idempotent."""
+        if self._leaving or self._stopped:
+            return
+        self._leaving = True
+        if self._snapshot is not None:
+            self._publish(self._announced(self._snapshot))
+
+    def _announced(self, snapshot: WatchSnapshot) -> WatchSnapshot:
+        if not self._leaving:
+            return snapshot
+        own = self._config.advertise_addr
+        others = tuple(info for info in snapshot.stargates if info.advertise_addr != own)
+        return replace(snapshot, stargates=others)
+
     def stop(self) -> None:
         """End `run()` and every subscription. Idempotent; safe before `run()` starts."""
         if self._stopped:
@@ -594,11 +612,12 @@ class WatchPublisher:
             entries = await self._dns_round()
         else:
             entries = [config.self_entry]
-        return build_snapshot(
+        snapshot = build_snapshot(
             entries,
             remote_urls=self._remote_urls,
             grpc_pylon_dial_addr=config.grpc_pylon_dial_addr,
         )
+        return self._announced(snapshot)
 
     async def _dns_round(self) -> list[StargateInfo]:
         """Resolve the discovery name; on failure publish self only (trap 16).

@@ -10,6 +10,12 @@ Lifecycle (control-plane spec §2.3, HTTP backends by decision 3):
    RTT from its health monitor, apply the update to the routing state, send one ack;
 6. however the stream ends (client end, idle timeout, error status, disconnect, shutdown), remove
    every route of this exact registration.
+
+While the replica leaves the Service (the shutdown delay, docs/rolling-restarts.md) it still
+serves requests, so the routes of a stream that ends then are *held* until it stops accepting:
+a Pylon that closes its registration because the leaving replica no longer announces itself must
+not turn the requests still arriving into 404s. A new registration of the same id replaces a held
+one at once.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class RegistrationService:
         self._settings = settings
         self._streams: set[trio.CancelScope] = set()
         self._shutting_down = False
+        self._leaving = False
+        self._held: dict[str, Registration] = {}
 
     @property
     def authenticator(self) -> Authenticator:
@@ -80,11 +88,24 @@ class RegistrationService:
     def open_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def held_registrations(self) -> int:
+        """Registrations whose stream ended while leaving, their routes kept until shutdown."""
+        return len(self._held)
+
+    def leave(self) -> None:
+        """Keep serving every stream, but hold the routes of streams that end from now on."""
+        self._leaving = True
+
     def shutdown(self) -> None:
-        """End every stream at its next wait point (OK status, routes removed), refuse new ones."""
+        """End every stream at its next wait point (OK status, routes removed), refuse new ones,
+        and remove the routes held since `leave()`."""
         self._shutting_down = True
         for scope in self._streams:
             scope.cancel()
+        for registration in self._held.values():
+            self._routing.end(registration)
+        self._held.clear()
 
     async def register(self, requests: Registrations, context: RpcContext, send: SendAck) -> None:
         """The stream-stream handler of `/stargate.StargateControlPlane/RegisterInferenceServer`."""
@@ -107,6 +128,9 @@ class RegistrationService:
                 if first is None:
                     return
                 identity = admit(first, routing_key)
+                held = self._held.pop(identity.inference_server_id, None)
+                if held is not None:
+                    self._routing.end(held)  # the same backend is back: its new stream wins
                 try:
                     registration = self._routing.begin(identity)
                 except AlreadyRegistered as error:
@@ -123,12 +147,22 @@ class RegistrationService:
                 try:
                     await self._serve_admitted(registration, first, requests, idle_timeout, send)
                 finally:
-                    self._routing.end(registration)
-                    log.info(
-                        "registration ended: inference_server_id=%s", identity.inference_server_id
-                    )
+                    self._end(registration)
             finally:
                 self._streams.discard(scope)
+
+    def _end(self, registration: Registration) -> None:
+        server_id = registration.identity.inference_server_id
+        if self._leaving and not self._shutting_down and self._routing.is_live(registration):
+            self._held[server_id] = registration
+            log.info(
+                "registration ended while leaving; routes kept until the replica stops "
+                "accepting: inference_server_id=%s",
+                server_id,
+            )
+            return
+        self._routing.end(registration)
+        log.info("registration ended: inference_server_id=%s", server_id)
 
     async def _serve_admitted(
         self,

@@ -135,6 +135,7 @@ truthiness, decides: 0, false and "" are rendered.
 {{- $args = append $args (printf "--stargate-discovery-dns-name=%s" (include "stargate.discoveryDnsName" .)) }}
 {{- end }}
 {{- $args = append $args (printf "--metrics-port=%s" (include "stargate.int" $v.ports.metrics)) }}
+{{- $args = append $args (printf "--shutdown-delay-ms=%s" (include "stargate.int" $v.shutdown.delayMs)) }}
 {{- $args = append $args (printf "--shutdown-drain-timeout-ms=%s" (include "stargate.int" $v.shutdown.drainTimeoutMs)) }}
 {{- range $pair := list (list "warmupMs" "--readiness-warmup-ms") (list "warmupSampleIntervalMs" "--warmup-sample-interval-ms") (list "warmupStabilizationWindow" "--warmup-stabilization-window") }}
 {{- $val := index $r (index $pair 0) }}
