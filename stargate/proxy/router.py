@@ -14,6 +14,7 @@ always-replayable attempt; LLM request bodies are small next to the default 64 M
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable, Hashable
@@ -66,29 +67,31 @@ UNREGISTERED = "__unregistered__"
 client input must not create series (docs/clients.md, "Metrics")."""
 
 
+def _coded_error(
+    status: int, code: str, rust_text: str, message: str, param: str | None = None
+) -> ContractError:
+    """One of the two local errors with a body in the Rust form (§1.6): `{"error","code"}` and
+    `x-stargate-error-code`; `message` is what an OpenAI-form answer says instead."""
+    body = json.dumps({"error": rust_text, "code": code}, separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"), (b"x-stargate-error-code", code.encode())]
+    return ContractError(status, body, headers, message=message, code=code, param=param)
+
+
 def input_work_limit_exceeded(model_id: str) -> ContractError:
-    return ContractError(
+    return _coded_error(
         503,
-        b'{"error":"input work admission limit exceeded","code":"input_work_limit_exceeded"}',
-        [
-            (b"content-type", b"application/json"),
-            (b"x-stargate-error-code", b"input_work_limit_exceeded"),
-        ],
-        message=f"input work admission limit exceeded for model {model_id!r}; retry later",
-        code="input_work_limit_exceeded",
+        "input_work_limit_exceeded",
+        "input work admission limit exceeded",
+        f"input work admission limit exceeded for model {model_id!r}; retry later",
     )
 
 
 def no_eligible_candidates(model_id: str) -> ContractError:
-    return ContractError(
+    return _coded_error(
         404,
-        b'{"error":"no eligible candidates","code":"no_eligible_candidates"}',
-        [
-            (b"content-type", b"application/json"),
-            (b"x-stargate-error-code", b"no_eligible_candidates"),
-        ],
-        message=f"the model {model_id!r} does not exist or no backend serves it",
-        code="no_eligible_candidates",
+        "no_eligible_candidates",
+        "no eligible candidates",
+        f"the model {model_id!r} does not exist or no backend serves it",
         param="model",
     )
 
