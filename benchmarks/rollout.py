@@ -800,6 +800,10 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+BRING_UP_ATTEMPTS = 3
+"""How often a run starts over with fresh ports when one was taken before a replica bound it."""
+
+
 def free_ports(count: int) -> list[int]:
     """Distinct loopback ports that were free a moment ago (the OS picks them)."""
     sockets: list[socket.socket] = []
@@ -1212,7 +1216,19 @@ async def rehearse(params: RolloutParams) -> RolloutReport:
     log_dir = params.out_dir / "logs" / params.label
     log_dir.mkdir(parents=True, exist_ok=True)
     delay_flag = await serve_offers_shutdown_delay()
-    return await Rehearsal(params, log_dir, delay_flag).run()
+    for attempt in range(1, BRING_UP_ATTEMPTS + 1):
+        try:
+            return await Rehearsal(params, log_dir, delay_flag).run()
+        except RolloutError as error:
+            # Ports are picked free, then bound by the replicas: on a busy machine another
+            # process may take one in between. Nothing was measured yet: start over.
+            text = str(error)
+            if attempt == BRING_UP_ATTEMPTS or not (
+                "during bring-up" in text and "Address already in use" in text
+            ):
+                raise
+            print(f"{params.label}: a picked port was taken during bring-up; retrying")
+    raise AssertionError("unreachable")
 
 
 # ---- the report ----------------------------------------------------------------------------------
