@@ -79,6 +79,12 @@ def validate_metrics_prefix(prefix: str) -> str:
     return prefix
 
 
+PYLON_RECONNECT_WINDOW_MS = 1_000
+"""The shortest stabilization window that covers a Pylon's worst reconnect to a replica that
+accepts connections again (0.45 s, `stargate/pylon/backoff.py`) plus a registration round trip,
+with a margin for a loaded node."""
+
+
 @dataclass(frozen=True, slots=True)
 class WarmupConfig:
     """How `/readyz` warms up (decision 2 of the spec).
@@ -112,6 +118,14 @@ class WarmupConfig:
     @property
     def sample_interval_seconds(self) -> float:
         return self.sample_interval_ms / 1000
+
+    @property
+    def covers_pylon_reconnect(self) -> bool:
+        """Whether the stabilization window (interval x window) outlasts a Pylon's reconnect to a
+        restarted replica; a shorter one can promote before every backend is back
+        (docs/pylon.md). True when warmup is off: then nothing is sampled."""
+        window_ms = self.sample_interval_ms * self.stabilization_window
+        return not self.enabled or window_ms >= PYLON_RECONNECT_WINDOW_MS
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,7 +160,13 @@ class Demo:
 
     async def show_warmup(self) -> None:
         """One live line while warming up, then the promotion."""
-        window = self.config.warmup.stabilization_window
+        warmup = self.config.warmup
+        window = warmup.stabilization_window
+        if not warmup.covers_pylon_reconnect:
+            self.say(
+                f"warning: the stabilization window ({window} x {warmup.sample_interval_ms} ms) "
+                "is shorter than a Pylon's reconnect after a replica restart (docs/pylon.md)"
+            )
         async with httpx.AsyncClient(base_url=self.base_url, timeout=2) as client:
             while True:
                 try:

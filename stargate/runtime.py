@@ -57,6 +57,7 @@ from stargate.activator.kubernetes import (
 from stargate.activator.process import MemberCommand, ProcessController
 from stargate.asgi import InFlight
 from stargate.config import (
+    PYLON_RECONNECT_WINDOW_MS,
     ConfigError,
     ControlPlaneConfig,
     ListenAddress,
@@ -341,6 +342,14 @@ class Replica:
             for sock in sockets:
                 sock.close()
             raise StartupError(f"invalid discovery configuration: {error}") from error
+        if not config.warmup.covers_pylon_reconnect:
+            log.warning(
+                "the warmup stabilization window (%d x %d ms) is shorter than %d ms: a restarted "
+                "replica may promote before every Pylon has reconnected (docs/pylon.md)",
+                config.warmup.stabilization_window,
+                config.warmup.sample_interval_ms,
+                PYLON_RECONNECT_WINDOW_MS,
+            )
         if isinstance(self.registrations.authenticator, OpenAuthenticator):
             log.warning(
                 "registration is unauthenticated: any client can register backends "

@@ -418,14 +418,20 @@ def test_env_vars_configure_the_pylon(tmp_path: Path) -> None:
 # ---- pure helpers -------------------------------------------------------------------------------
 
 
-def test_backoff_doubles_to_the_cap_with_jitter_and_resets() -> None:
+def test_backoff_doubles_to_the_cap_with_jitter_inside_the_cap_and_resets() -> None:
+    """Jitter is applied before the cap, so the cap is a real bound on every delay (an outage
+    leaves every Pylon at the cap, and the cap is what readiness windows are sized against)."""
     backoff = Backoff(0.1, 1.0, uniform=lambda low, high: high)
     delays = [round(backoff.next(), 6) for _ in range(6)]
-    assert delays == [0.12, 0.24, 0.48, 0.96, 1.2, 1.2]
+    assert delays == [0.12, 0.24, 0.48, 0.96, 1.0, 1.0]
     backoff.reset()
     assert round(backoff.next(), 6) == 0.12
+    low = Backoff(0.1, 1.0, uniform=lambda low, high: low)
+    assert [round(low.next(), 6) for _ in range(6)] == [0.08, 0.16, 0.32, 0.64, 0.8, 0.8]
     jittered = Backoff(1.0, 1.0)
-    assert all(0.8 <= jittered.next() <= 1.2 for _ in range(100))
+    assert all(0.8 <= jittered.next() <= 1.0 for _ in range(100))
+    capped = Backoff(0.1, 5.0)
+    assert max(capped.next() for _ in range(200)) <= 5.0
 
 
 def test_registration_message() -> None:

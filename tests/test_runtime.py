@@ -193,3 +193,20 @@ async def test_first_signal_drains_and_a_second_forces_exit() -> None:
                         await send_signal.send(signal.SIGINT)
         await send_signal.aclose()  # ends the watcher
     assert exit_code() == 1
+
+
+@pytest.mark.parametrize(
+    ("interval_ms", "window", "warns"), [(200, 5, False), (100, 5, True), (1_000, 5, False)]
+)
+async def test_a_window_shorter_than_a_pylon_reconnect_is_warned_about(
+    caplog: pytest.LogCaptureFixture, interval_ms: int, window: int, warns: bool
+) -> None:
+    warmup = WarmupConfig(
+        warmup_ms=60_000, sample_interval_ms=interval_ms, stabilization_window=window
+    )
+    replica = Replica(_config(warmup=warmup))
+    async with trio.open_nursery() as nursery:
+        await _start(replica, nursery)
+        replica.begin_shutdown()
+    warned = [r for r in caplog.records if "shorter than 1000 ms" in r.getMessage()]
+    assert bool(warned) is warns

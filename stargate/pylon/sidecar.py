@@ -4,14 +4,20 @@ Task tree (one trio nursery, `Pylon.run`):
 
 - a health loop probing the engine every heartbeat (`http_health_probe` semantics);
 - with no explicit `--model-name`, a loop re-reading the engine's `GET /v1/models`;
-- one watch task per WatchStargates URL: the seeds and, recursively, every `watch_stargate_urls`
-  entry announced by a watch that is kept. Each watch's latest snapshot is kept until the stream
-  ends or errors; then it is dropped at once and the watch reconnects after a backoff;
-- one registration task per replica in the union of the kept snapshots: a
-  `RegisterInferenceServer` stream that sends the full snapshot at once, every heartbeat, and as
-  soon as the engine's health or model set changes; it reconnects after a capped, jittered
-  exponential backoff whenever the stream ends or fails. A replica that leaves every snapshot
-  has its task cancelled (the stream is half-closed, then cancelled).
+- one watch task per WatchStargates key: the seeds and, recursively, every `watch_stargate_urls`
+  entry announced by a kept snapshot. A watch's latest snapshot is kept under its key until a
+  newer one replaces it, also while the watch reconnects: a stream ending (a replica killed,
+  or a rolling restart ending every stream with OK) says nothing about the other replicas. When
+  its own target fails, a watch tries the other known replicas in turn (`watch_candidates`) and
+  keeps the answer under its key; on a fallback it returns to its own target once that target,
+  seen down, accepts connections again;
+- one registration task per replica listed by a kept snapshot, kept while its stream is up
+  even when no snapshot lists it any more (a leaving replica): a `RegisterInferenceServer`
+  stream that sends the full snapshot at once, every heartbeat, and as soon as the engine's
+  health or model set changes. It reconnects after a capped, jittered exponential backoff (the
+  initial 0.1 s after a graceful, OK end), and early when the replica re-appears in a snapshot
+  or, seen refusing connections, accepts them again (TCP probes every `RECONNECT_POLL_SECONDS`).
+  A replica is dropped only when no latest snapshot lists it and its stream is gone.
 
 grpcio calls are blocking: a worker thread per call drains its responses (`bridge.py`), and the
 requests flow through a `queue.Queue` that grpcio's sender thread reads. Cancelling a task
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +39,13 @@ import trio
 from stargate.control_plane.health import ProbeFailed, http_health_probe
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from stargate.pylon.backoff import Backoff
+from stargate.pylon.backoff import (
+    RECONNECT_POLL_SECONDS,
+    RECONNECT_PROBE_TIMEOUT_SECONDS,
+    WORST_RECONNECT_DELAY_SECONDS,
+    Backoff,
+    RecoveryDetector,
+)
 from stargate.pylon.bridge import Outbox, ResponseReader, StreamEnded
 from stargate.pylon.config import DialTarget, PylonConfig
 from stargate.pylon.snapshot import (
@@ -40,12 +53,24 @@ from stargate.pylon.snapshot import (
     WatchResult,
     build_registration,
     desired_replicas,
+    next_watch_target,
     parse_model_list,
     parse_watch_response,
     reachable_watches,
+    reappeared,
+    registration_changes,
+    split_host_port,
+    watch_candidates,
 )
 
-__all__ = ["HEARTBEAT_METADATA", "Pylon", "run_pylon"]
+__all__ = [
+    "HEARTBEAT_METADATA",
+    "WORST_RECONNECT_DELAY_SECONDS",
+    "Pylon",
+    "run_pylon",
+    "tcp_accepts",
+    "wait_for_retry",
+]
 
 log = logging.getLogger("stargate.pylon")
 
@@ -53,7 +78,15 @@ HEARTBEAT_METADATA = "x-stargate-registration-heartbeat-ms"
 BACKOFF_INITIAL_SECONDS = 0.1
 BACKOFF_CAP_SECONDS = 5.0
 STABLE_STREAM_SECONDS = 5.0
-"""A registration stream that stayed up this long resets its backoff."""
+"""A stream that stayed up this long resets its backoff."""
+PRIMARY_RETURN_POLL_SECONDS = RECONNECT_POLL_SECONDS
+"""While a watch runs on a fallback replica, how often its own target is TCP-probed to go back
+to it. As fast as a registration's probes: a seed replica that some other replica stopped
+listing while it was down (an absent static peer) is rediscovered by this return, so the return
+is bound by `WORST_RECONNECT_DELAY_SECONDS` too. A probe of a dead address is one refused (or,
+after `RECONNECT_PROBE_TIMEOUT_SECONDS`, abandoned) connect."""
+MAX_POLLED_TARGETS = 8
+"""At most this many of a watch's candidates are TCP-probed while the watch backs off."""
 HALF_CLOSE_GRACE_SECONDS = 0.5
 """On a deliberate close, how long the replica may take to end the stream after the half-close
 before the call is cancelled."""
@@ -73,16 +106,102 @@ async def probe_upstream(
 
 
 def _channel(target: DialTarget, authority: str | None = None) -> grpc.Channel:
-    options = [("grpc.default_authority", authority)] if authority else []
+    # A channel of its own per attempt, with its own subchannels: grpcio otherwise shares a
+    # subchannel between channels to one address, and a shared one still in its reconnect
+    # backoff (seconds) would fail a fresh attempt at once, undoing the fast reconnect.
+    options: list[tuple[str, str | int]] = [("grpc.use_local_subchannel_pool", 1)]
+    if authority:
+        options.append(("grpc.default_authority", authority))
     if target.secure:
         return grpc.secure_channel(target.address, grpc.ssl_channel_credentials(), options)
     return grpc.insecure_channel(target.address, options)
+
+
+Probe = Callable[[DialTarget], Awaitable[bool]]
+
+
+async def tcp_accepts(
+    target: DialTarget, connect_seconds: float = RECONNECT_PROBE_TIMEOUT_SECONDS
+) -> bool:
+    """Whether a TCP connection to `target` opens within `connect_seconds` (then it is closed at
+    once).
+
+    Cheap evidence that a replica is listening again; a name is resolved on every call, as
+    gRPC does. A target that is not `host:port` is reported as accepting (never probed)."""
+    host_port = split_host_port(target.address)
+    if host_port is None:
+        return True
+    with trio.move_on_after(connect_seconds):
+        try:
+            stream = await trio.open_tcp_stream(*host_port)
+        except OSError:
+            return False
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        return True
+    return False
+
+
+async def wait_for_retry(
+    delay: float,
+    targets: Sequence[DialTarget],
+    detectors: Mapping[DialTarget, RecoveryDetector],
+    *,
+    poked: trio.Event | None = None,
+    probe: Probe = tcp_accepts,
+    poll_seconds: float = RECONNECT_POLL_SECONDS,
+) -> str:
+    """Sleep `delay` seconds before a retry, waking early; return why the sleep ended.
+
+    `"timer"`: the delay passed. `"snapshot"`: `poked` was set (the replica re-appeared in a
+    snapshot). `"accepting"`: a target whose detector had seen it refuse now accepts a TCP
+    connection. Each target is probed at once and then every `poll_seconds` until it accepts;
+    one that accepts without having been seen down is left alone (it refuses the stream, not
+    the connection, and the timer decides)."""
+    outcome = "timer"
+    async with trio.open_nursery() as nursery:
+
+        def finish(why: str) -> None:
+            nonlocal outcome
+            outcome = why
+            nursery.cancel_scope.cancel()
+
+        async def timer() -> None:
+            await trio.sleep(delay)
+            finish("timer")
+
+        async def wait_poked(event: trio.Event) -> None:
+            await event.wait()
+            finish("snapshot")
+
+        async def poll(target: DialTarget, detector: RecoveryDetector) -> None:
+            next_probe = trio.current_time()
+            while True:
+                accepted = await probe(target)
+                if detector.observe(accepted):
+                    finish("accepting")
+                    return
+                if accepted:
+                    return
+                next_probe += poll_seconds
+                await trio.sleep_until(next_probe)
+
+        nursery.start_soon(timer)
+        if poked is not None:
+            nursery.start_soon(wait_poked, poked)
+        for target in targets:
+            detector = detectors.get(target)
+            if detector is not None:
+                nursery.start_soon(poll, target, detector)
+    return outcome
 
 
 @dataclass
 class _Task:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     done: trio.Event = field(default_factory=trio.Event)
+    poked: trio.Event = field(default_factory=trio.Event)
+    """Set when the replica re-appears in a snapshot: its retry sleep ends at once."""
 
 
 class Pylon:
@@ -98,6 +217,7 @@ class Pylon:
         self._registrations: dict[ReplicaInfo, _Task] = {}
         self._closing: dict[ReplicaInfo, _Task] = {}  # cancelled, maybe still closing
         self._registered: set[ReplicaInfo] = set()
+        self._listed: frozenset[ReplicaInfo] = frozenset()  # the union of the kept snapshots
         self._nursery: trio.Nursery | None = None
         self._token: str | None = None
         self._models_failing = False
@@ -106,7 +226,7 @@ class Pylon:
 
     @property
     def replicas(self) -> frozenset[ReplicaInfo]:
-        """Replicas with a registration task (known through a kept watch)."""
+        """Replicas with a registration task (listed by a kept snapshot, or still registered)."""
         return frozenset(self._registrations)
 
     @property
@@ -219,7 +339,11 @@ class Pylon:
     # ------------------------------------------------------------------ discovery
 
     def _reconcile(self) -> None:
-        """Start and stop watch and registration tasks to match the current snapshots."""
+        """Start and stop watch and registration tasks to match the kept snapshots.
+
+        Called whenever a kept snapshot changes; never because a watch stream ended (its
+        snapshot is kept). A registration whose stream ends while its replica is unlisted drops
+        itself (`_register`): that is the other moment the drop rule can start to hold."""
         nursery = self._nursery
         assert nursery is not None
         watches = reachable_watches(self.config.stargates, self._results)
@@ -231,59 +355,165 @@ class Pylon:
         for url in sorted(watches - set(self._watches), key=str):
             task = self._watches[url] = _Task()
             nursery.start_soon(self._watch, url, task)
-        replicas = desired_replicas(watches, self._results)
-        for replica in list(self._registrations):
-            if replica not in replicas:
-                log.info("replica %s left discovery; closing its registration", replica.name)
-                closing = self._closing[replica] = self._registrations.pop(replica)
-                closing.scope.cancel()
-        for replica in sorted(replicas - set(self._registrations), key=lambda r: r.authority):
+        self._listed = desired_replicas(watches, self._results)
+        start, stop = registration_changes(self._listed, self._registrations, self._registered)
+        for replica in sorted(stop, key=lambda r: r.authority):
+            log.info("replica %s left discovery; closing its registration", replica.name)
+            closing = self._closing[replica] = self._registrations.pop(replica)
+            closing.scope.cancel()
+        for replica in sorted(start, key=lambda r: r.authority):
             previous = self._closing.pop(replica, None)
             task = self._registrations[replica] = _Task()
             nursery.start_soon(self._register, replica, task, previous)
 
-    async def _watch(self, url: DialTarget, task: _Task) -> None:
+    def _detector(
+        self, detectors: dict[DialTarget, RecoveryDetector], target: DialTarget
+    ) -> RecoveryDetector:
+        return detectors.setdefault(target, RecoveryDetector())
+
+    async def _watch(self, key: DialTarget, task: _Task) -> None:
+        """Keep the snapshot under `key` fresh: its own target first, then the fallbacks, one
+        round after another with a backoff between rounds (cut short when a target comes back)."""
         backoff = Backoff(BACKOFF_INITIAL_SECONDS, BACKOFF_CAP_SECONDS)
+        detectors: dict[DialTarget, RecoveryDetector] = {}
+        tried: set[DialTarget] = set()
+        current: DialTarget | None = None
+        last_failure = ""
         try:
             with task.scope:
-                last_failure = ""
                 while True:
-                    end, received = await self._watch_once(url, backoff)
-                    delay = backoff.next()
+                    candidates = watch_candidates(key, self.config.stargates, self._results)
+                    target = next_watch_target(candidates, tried)
+                    if target is None:
+                        delay = backoff.next()
+                        kept = self._results.get(key)
+                        text = f"tried {len(tried)} address(es)"
+                        level = logging.DEBUG if text == last_failure else logging.WARNING
+                        log.log(
+                            level,
+                            "WatchStargates for %s: no replica answered (%s); keeping its last "
+                            "snapshot (%s); next round in %.2f s",
+                            key,
+                            text,
+                            "none yet" if kept is None else f"{len(kept.replicas)} replicas",
+                            delay,
+                        )
+                        last_failure = text
+                        polled = candidates[:MAX_POLLED_TARGETS]
+                        for candidate in polled:
+                            self._detector(detectors, candidate)
+                        why = await wait_for_retry(delay, polled, detectors)
+                        if why != "timer":
+                            backoff.reset()
+                        tried.clear()
+                        continue
+                    tried.add(target)
+                    if target != key:
+                        # A fallback is only worth a stream when it accepts connections: a
+                        # dead replica's address could otherwise hold the round for a connect
+                        # timeout.
+                        accepted = await tcp_accepts(target)
+                        self._detector(detectors, target).observe(accepted)
+                        if not accepted:
+                            continue
+                    if target != current:
+                        if target != key or current is not None:
+                            log.info("WatchStargates for %s: watching %s", key, target)
+                        current = target
+                    started = trio.current_time()
+                    outcome = await self._watch_target(key, target, detectors)
+                    if outcome is None:
+                        log.info("WatchStargates for %s: %s accepts again; returning", key, key)
+                        tried.clear()
+                        continue
+                    end, received = outcome
                     text = end.describe()
-                    level = logging.DEBUG if text == last_failure else logging.WARNING
-                    log.log(
-                        level, "WatchStargates on %s: %s; reconnecting in %.2f s", url, text, delay
+                    if not received:
+                        level = logging.DEBUG if text == last_failure else logging.WARNING
+                        log.log(level, "WatchStargates on %s (for %s): %s", target, key, text)
+                        last_failure = text
+                        continue  # the next candidate, at once
+                    last_failure = ""
+                    tried.clear()
+                    if trio.current_time() - started >= STABLE_STREAM_SECONDS:
+                        backoff.reset()
+                        delay = 0.0
+                    else:
+                        delay = backoff.next()  # a stream that keeps ending soon backs off
+                    log.info(
+                        "WatchStargates on %s (for %s): %s; keeping its last snapshot, "
+                        "re-watching in %.2f s",
+                        target,
+                        key,
+                        text,
+                        delay,
                     )
-                    last_failure = "" if received else text
-                    if self._watches.get(url) is task and url in self._results:
-                        del self._results[url]
-                        self._reconcile()  # drop the replicas known only through this watch
                     await trio.sleep(delay)
         finally:
             task.done.set()
 
-    async def _watch_once(self, url: DialTarget, backoff: Backoff) -> tuple[StreamEnded, bool]:
-        """Run one watch stream until it ends; return how, and whether anything arrived."""
+    async def _watch_target(
+        self, key: DialTarget, target: DialTarget, detectors: dict[DialTarget, RecoveryDetector]
+    ) -> tuple[StreamEnded, bool] | None:
+        """Run one watch stream on `target` for `key`. On a fallback, also probe `key` and end
+        the stream early (returning None) once `key`, seen down, accepts connections again: a
+        seed may stand for a fleet the fallback does not see (another region), and a seed
+        replica that its peers stopped listing while it was down is found again this way."""
+        if target == key:
+            return await self._watch_once(key, target)
+        outcome: tuple[StreamEnded, bool] | None = None
+        detector = self._detector(detectors, key)
+        async with trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                nonlocal outcome
+                outcome = await self._watch_once(key, target)
+                nursery.cancel_scope.cancel()
+
+            async def primary_back() -> None:
+                next_probe = trio.current_time()
+                while True:
+                    accepted = await tcp_accepts(key)
+                    if detector.observe(accepted):
+                        nursery.cancel_scope.cancel()
+                        return
+                    if accepted:
+                        # Up but never seen down: it failed the watch itself, so stay on the
+                        # fallback (the next round tries `key` first anyway) and stop probing.
+                        return
+                    next_probe += PRIMARY_RETURN_POLL_SECONDS  # a fixed cadence, as in retries
+                    await trio.sleep_until(next_probe)
+
+            nursery.start_soon(stream)
+            nursery.start_soon(primary_back)
+        return outcome
+
+    async def _watch_once(self, key: DialTarget, target: DialTarget) -> tuple[StreamEnded, bool]:
+        """Run one watch stream on `target` until it ends, keeping what it sends under `key`;
+        return how it ended, and whether anything arrived."""
         received = False
-        channel = _channel(url)
+        channel = _channel(target)
         try:
             stub = pb_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             call = stub.WatchStargates(pb.WatchStargatesRequest())
             reader: ResponseReader[pb.WatchStargatesResponse] = ResponseReader(
-                call, f"pylon-watch-{url}"
+                call, f"pylon-watch-{target}"
             )
             try:
                 async for item in reader.receive:
                     if isinstance(item, StreamEnded):
                         return item, received
                     received = True
-                    backoff.reset()
                     result = parse_watch_response(item)
-                    if self._results.get(url) != result:
-                        log.debug("WatchStargates on %s: %s", url, result)
-                        self._results[url] = result
+                    previous = self._results.get(key)
+                    if previous != result:
+                        log.debug("WatchStargates on %s (for %s): %s", target, key, result)
+                        self._results[key] = result
                         self._reconcile()
+                        for replica in reappeared(previous, result):
+                            registration = self._registrations.get(replica)
+                            if registration is not None:
+                                registration.poked.set()
                 return StreamEnded(), received  # pragma: no cover - the reader always ends
             finally:
                 await reader.close()
@@ -306,7 +536,14 @@ class Pylon:
         return metadata
 
     async def _register(self, replica: ReplicaInfo, task: _Task, previous: _Task | None) -> None:
+        """Keep one registration stream with `replica` until the replica is dropped.
+
+        After a stream ends: a replica no snapshot lists any more is dropped (its stream is gone
+        now, the second half of the drop rule); a graceful end (OK, a draining replica) retries
+        after the initial backoff; other ends back off, woken early when the replica re-appears
+        in a snapshot or, seen refusing connections, accepts them again."""
         backoff = Backoff(BACKOFF_INITIAL_SECONDS, BACKOFF_CAP_SECONDS)
+        detectors = {replica.dial: RecoveryDetector()}
         last_failure = ""
         try:
             with task.scope:
@@ -315,13 +552,38 @@ class Pylon:
                 while True:
                     started = trio.current_time()
                     end, acked = await self._register_once(replica)
-                    if acked and trio.current_time() - started >= STABLE_STREAM_SECONDS:
+                    text = end.describe()
+                    if acked:
+                        detectors[replica.dial].clear()
+                    if replica not in self._listed:
+                        log.info(
+                            "replica %s is no longer announced and its registration ended (%s); "
+                            "dropping it",
+                            replica.name,
+                            text,
+                        )
+                        if self._registrations.get(replica) is task:
+                            del self._registrations[replica]
+                        return
+                    graceful = acked and end.error is None
+                    if graceful or (
+                        acked and trio.current_time() - started >= STABLE_STREAM_SECONDS
+                    ):
+                        backoff.reset()
+                    if task.poked.is_set():  # re-announced while the stream was failing
+                        task.poked = trio.Event()
                         backoff.reset()
                     delay = backoff.next()
-                    text = end.describe()
                     if end.code == grpc.StatusCode.ALREADY_EXISTS:
                         text += " (another stream holds this id; it is free once that one ends)"
-                    if acked:
+                    if graceful:
+                        log.info(
+                            "replica %s ended the registration (%s); re-dialling in %.2f s",
+                            replica.name,
+                            text,
+                            delay,
+                        )
+                    elif acked:
                         log.warning(
                             "lost registration with replica %s: %s; reconnecting in %.2f s",
                             replica.name,
@@ -331,7 +593,7 @@ class Pylon:
                     elif text != last_failure:
                         log.warning(
                             "registration with replica %s failed: %s; retrying in %.2f s "
-                            "(backing off up to %.0f s)",
+                            "(backing off up to %.0f s, sooner once it accepts connections)",
                             replica.name,
                             text,
                             delay,
@@ -342,7 +604,12 @@ class Pylon:
                             "registration with replica %s failed again: %s", replica.name, text
                         )
                     last_failure = "" if acked else text
-                    await trio.sleep(delay)
+                    why = await wait_for_retry(delay, [replica.dial], detectors, poked=task.poked)
+                    if why != "timer":
+                        log.debug("replica %s: retrying now (%s)", replica.name, why)
+                        backoff.reset()
+                    if why == "snapshot":
+                        task.poked = trio.Event()
         finally:
             task.done.set()
 

@@ -1,12 +1,27 @@
-"""Pure pieces of the Pylon: the registration message, the engine's model list, and the
-replica set derived from WatchStargates snapshots."""
+"""Pure pieces of the Pylon: the registration message, the engine's model list, the replica set
+derived from WatchStargates snapshots, and the decisions that let a Pylon follow a fleet through
+restarts (which registrations to start or stop, which replica a watch tries next).
+
+Everything here is a function of its arguments, so the rules are unit-tested with plain values;
+`sidecar.py` does the I/O and calls these. The rules (docs/pylon.md):
+
+* a watch's last snapshot is kept while the watch reconnects: a stream ending says nothing
+  about the replicas it listed;
+* a seed's watch fails over to any other known replica when its own target fails
+  (`watch_candidates`, `next_watch_target`), and the snapshot that answers is kept under the
+  seed's key;
+* a replica is dropped only when the latest snapshots no longer list it AND its registration
+  stream is not up (`registration_changes`): a leaving replica stops listing itself but keeps
+  its streams until it drains, and those must not be cut early.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from stargate.protocol import stargate_pb2 as pb
 from stargate.pylon.config import (
@@ -21,9 +36,14 @@ __all__ = [
     "WatchResult",
     "build_registration",
     "desired_replicas",
+    "next_watch_target",
     "parse_model_list",
     "parse_watch_response",
     "reachable_watches",
+    "reappeared",
+    "registration_changes",
+    "split_host_port",
+    "watch_candidates",
 ]
 
 log = logging.getLogger(__name__)
@@ -149,3 +169,90 @@ def desired_replicas(
         if result is not None:
             replicas |= result.replicas
     return frozenset(replicas)
+
+
+def registration_changes(
+    listed: frozenset[ReplicaInfo],
+    running: Collection[ReplicaInfo],
+    alive: Collection[ReplicaInfo],
+) -> tuple[frozenset[ReplicaInfo], frozenset[ReplicaInfo]]:
+    """`(start, stop)`: the registration tasks to start and to stop.
+
+    `listed` is the union of the latest snapshots (`desired_replicas`), `running` the replicas
+    with a registration task, `alive` those whose current stream has been acknowledged and is
+    still up. A listed replica without a task gets one. A task is stopped only when its replica
+    is unlisted AND its stream is not up: a leaving replica drops out of its own snapshots while
+    it still serves, and a live stream is the best evidence that registering there is useful.
+    The replica ends that stream itself when it drains; then the replica is dropped.
+
+    The exception does not hold for a replica listed again under another dial address (same
+    advertise address, new `grpc_pylon_dial_addr`): the old stream holds the engine's id there
+    and would keep the new one out (ALREADY_EXISTS), so it is closed.
+    """
+    listed_authorities = {replica.authority for replica in listed}
+    kept_alive = {replica for replica in alive if replica.authority not in listed_authorities}
+    start = listed - frozenset(running)
+    stop = frozenset(running) - listed - kept_alive
+    return start, stop
+
+
+def reappeared(old: WatchResult | None, new: WatchResult) -> frozenset[ReplicaInfo]:
+    """Replicas `new` lists that the previous snapshot of the same watch did not: their
+    registration tasks retry at once (the replica was just announced, so it is likely up)."""
+    return new.replicas - (old.replicas if old is not None else frozenset())
+
+
+def watch_candidates(
+    key: DialTarget,
+    seeds: Sequence[DialTarget],
+    results: Mapping[DialTarget, WatchResult],
+) -> tuple[DialTarget, ...]:
+    """Where the watch kept under `key` may be opened, in the order to try them.
+
+    First `key` itself, then the dial addresses of the replicas its own last snapshot listed
+    (the same fleet, most likely to answer with the same view). A seed's watch then falls back to
+    the other seeds and to every replica any kept snapshot lists: any replica of the fleet
+    publishes the whole fleet, and a seed that is one replica (or a name that points at a
+    restarting pod) must not leave the Pylon blind. A watch announced through
+    `watch_stargate_urls` (another region) stays within its own snapshot: an answer from this
+    region's replicas would replace that region's view with this one.
+    """
+    ordered: list[DialTarget] = [key]
+    own = results.get(key)
+    if own is not None:
+        ordered.extend(sorted((replica.dial for replica in own.replicas), key=str))
+    if key in seeds:
+        ordered.extend(seeds)
+        others = {
+            replica.dial
+            for url, result in results.items()
+            if url != key
+            for replica in result.replicas
+        }
+        ordered.extend(sorted(others, key=str))
+    return tuple(dict.fromkeys(ordered))
+
+
+def next_watch_target(
+    candidates: Sequence[DialTarget], tried: Collection[DialTarget]
+) -> DialTarget | None:
+    """The first candidate not yet tried in this round, or None when the round is over (then
+    the watch backs off before starting a new round with its own target)."""
+    for candidate in candidates:
+        if candidate not in tried:
+            return candidate
+    return None
+
+
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """`(host, port)` of a `host:port` or `[v6]:port` dial address; None for anything else
+    (a gRPC target syntax the Pylon passes through), which is then never TCP-probed."""
+    try:
+        parts = urlsplit(f"//{address}")
+        host = parts.hostname
+        port = parts.port
+    except ValueError:
+        return None
+    if not host or port is None:
+        return None
+    return host, port
