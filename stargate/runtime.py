@@ -198,7 +198,14 @@ class Replica:
         self.config = config
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = Metrics(self.registry, config.metrics_prefix)
-        self.routing = RoutingState(on_target_count=self._publish_target_count)
+        self.routing = RoutingState(
+            on_target_count=self._publish_target_count,
+            # Requests waiting on a backend that stops being routable move on (the router is
+            # built below; the listener only runs once registrations exist).
+            on_backend_unroutable=lambda registration, target: self.router.backend_unroutable(
+                registration, target
+            ),
+        )
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
         self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         proxy = config.proxy

@@ -2,9 +2,14 @@
 
 Each admitted registration runs a monitor that probes `GET {url}/health` (falling back to
 `GET {url}/v1/health/ready` when `/health` is 404) every second and publishes either the round-trip
-time of the last success or "pending". The monitor never changes routing by itself: the next
-registration update reads it, so a failed check takes effect within one Pylon heartbeat, and a
-backend whose health endpoint fails stays unroutable however ACTIVE its Pylon says it is.
+time of the last success or "pending". A backend is routable only while its probe passes, however
+ACTIVE its Pylon says it is.
+
+The monitor also reports every change of its verdict (`on_verdict`), and the registration applies
+it at once instead of waiting for the Pylon's next update: a Pylon that is frozen or cut off from
+the replica sends no next update, and its engine's routes would otherwise outlive the engine by the
+whole idle timeout (docs/stale-routes.md). How many failures turn the verdict is `ProbeVerdict`'s
+rule, kept pure so it can be tested and changed in one place.
 """
 
 from __future__ import annotations
@@ -15,12 +20,26 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
-__all__ = ["HealthMonitor", "HealthProbe", "ProbeFailed", "http_health_probe"]
+__all__ = [
+    "FAILURES_TO_UNROUTE",
+    "HealthMonitor",
+    "HealthProbe",
+    "ProbeFailed",
+    "ProbeVerdict",
+    "http_health_probe",
+]
 
 log = logging.getLogger(__name__)
 
 HEALTH_PATHS = ("/health", "/v1/health/ready")
 PROBE_INTERVAL_SECONDS = 1.0
+FAILURES_TO_UNROUTE = 1
+"""Consecutive failed probes that make a healthy backend unroutable: one. A failure already means
+the backend refused the connection, answered non-2xx, or stayed silent for the whole probe timeout
+(`--health-check-timeout-ms`, 5 s by default), and one failure always made the next update
+unroutable; acting on it at once only removes the wait for that update. A higher threshold would
+buy tolerance of single blips with (threshold - 1) probe intervals more of routing to a dead
+backend."""
 
 
 class ProbeFailed(Exception):
@@ -67,8 +86,49 @@ async def http_health_probe(
     raise ProbeFailed(f"{base}: no health endpoint")  # pragma: no cover - loop always returns
 
 
+class ProbeVerdict:
+    """The routability rule of a backend's own health probes, free of I/O and clocks.
+
+    The verdict starts pending (never probed: not routable). A passing probe makes it healthy at
+    once; `threshold` consecutive failures make a healthy backend unhealthy, and any failure makes
+    a pending one unhealthy (a backend that never answered has nothing to keep).
+    """
+
+    __slots__ = ("failures", "healthy", "threshold")
+
+    def __init__(self, threshold: int = FAILURES_TO_UNROUTE) -> None:
+        if threshold < 1:
+            raise ValueError("the failure threshold must be at least 1")
+        self.threshold = threshold
+        self.healthy: bool | None = None  # None = pending
+        self.failures = 0  # consecutive, since the last pass
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy is True
+
+    def record(self, passed: bool) -> bool:
+        """Count one probe result; True when the verdict changed (routing must follow it)."""
+        if passed:
+            self.failures = 0
+            changed = self.healthy is not True
+            self.healthy = True
+            return changed
+        self.failures += 1
+        if self.healthy is True and self.failures < self.threshold:
+            return False
+        changed = self.healthy is not False
+        self.healthy = False
+        return changed
+
+
 class HealthMonitor:
-    """The latest health sample of one registration's backend."""
+    """The latest health sample of one registration's backend.
+
+    `on_healthy` runs after every passing probe (it lifts the proxy's connect-failure demotion);
+    `on_verdict(routable)` runs after each change of the verdict, so the registration can make
+    the backend unroutable, or routable again, without waiting for its Pylon.
+    """
 
     def __init__(
         self,
@@ -77,12 +137,27 @@ class HealthMonitor:
         interval: float = PROBE_INTERVAL_SECONDS,
         *,
         on_healthy: Callable[[], None] | None = None,
+        on_verdict: Callable[[bool], None] | None = None,
+        failure_threshold: int = FAILURES_TO_UNROUTE,
     ) -> None:
         self._url = url
         self._probe = probe
         self._interval = interval
         self._on_healthy = on_healthy
-        self.rtt_ns: int | None = None  # None = pending (never probed, or the last probe failed)
+        self._on_verdict = on_verdict
+        self._verdict = ProbeVerdict(failure_threshold)
+        self._last_rtt_ns: int | None = None
+
+    @property
+    def routable(self) -> bool:
+        """True while the verdict is healthy."""
+        return self._verdict.routable
+
+    @property
+    def rtt_ns(self) -> int | None:
+        """The RTT of the last passing probe while the verdict is healthy; None (pending)
+        otherwise, which `routes_for_update` turns into "not routable"."""
+        return self._last_rtt_ns if self._verdict.routable else None
 
     async def run(self) -> None:
         """Probe forever, one interval apart; cancel to stop."""
@@ -92,14 +167,22 @@ class HealthMonitor:
 
     async def probe_once(self) -> int | None:
         try:
-            self.rtt_ns = await self._probe(self._url)
+            rtt_ns = await self._probe(self._url)
         except ProbeFailed as error:
-            if self.rtt_ns is not None:
-                log.warning("health check failed: %s", error)
-            self.rtt_ns = None
+            was_healthy = self._verdict.healthy
+            changed = self._verdict.record(False)
+            if changed and was_healthy:
+                log.warning("health check failed; backend unroutable: %s", error)
         else:
+            was_healthy = self._verdict.healthy
+            self._last_rtt_ns = rtt_ns
+            changed = self._verdict.record(True)
+            if changed and was_healthy is False:
+                log.info("health check passed again; backend routable: %s", self._url)
             if self._on_healthy is not None:
                 self._on_healthy()  # e.g. lift a demotion after a failed connection
+        if changed and self._on_verdict is not None:
+            self._on_verdict(self._verdict.routable)
         return self.rtt_ns
 
     async def rtt_for_update(self) -> int | None:

@@ -11,6 +11,18 @@ Lifecycle (control-plane spec §2.3, HTTP backends by decision 3):
 6. however the stream ends (client end, idle timeout, error status, disconnect, shutdown), remove
    every route of this exact registration.
 
+Between messages, a change of the health monitor's verdict re-applies the latest message under
+the new verdict (no ack: the Pylon sent nothing). A backend is routable only while its Pylon says
+ACTIVE *and* the replica's own probe passes, so a failed probe unroutes it at once (its models stay
+advertised: 503, not 404) and a passing one restores the latest update's routes with a fresh RTT.
+Without this a frozen or partitioned Pylon, which sends no next update, would keep a dead engine
+routable until the idle timeout (docs/stale-routes.md). Both paths are synchronous from reading the
+verdict to applying, so whichever runs last decides from the latest message and verdict.
+
+Removing routes tells the proxy to move requests still waiting for that backend's response head,
+except when the removal says nothing about the backend: the replica's own shutdown (requests in
+flight drain where they are) and a held registration replaced by the same backend's new stream.
+
 While the replica leaves the Service (the shutdown delay, docs/rolling-restarts.md) it still
 serves requests, so the routes of a stream that ends then are *held* until it stops accepting:
 a Pylon that closes its registration because the leaving replica no longer announces itself must
@@ -104,7 +116,7 @@ class RegistrationService:
         for scope in self._streams:
             scope.cancel()
         for registration in self._held.values():
-            self._routing.end(registration)
+            self._routing.end(registration, notify=False)  # in-flight requests drain
         self._held.clear()
 
     async def register(self, requests: Registrations, context: RpcContext, send: SendAck) -> None:
@@ -130,7 +142,9 @@ class RegistrationService:
                 identity = admit(first, routing_key)
                 held = self._held.pop(identity.inference_server_id, None)
                 if held is not None:
-                    self._routing.end(held)  # the same backend is back: its new stream wins
+                    # The same backend is back: its new stream wins, and requests in flight on
+                    # the held routes go on (nothing is wrong with the backend).
+                    self._routing.end(held, notify=False)
                 try:
                     registration = self._routing.begin(identity)
                 except AlreadyRegistered as error:
@@ -161,7 +175,8 @@ class RegistrationService:
                 server_id,
             )
             return
-        self._routing.end(registration)
+        # The replica's own shutdown says nothing about the backend: let its requests drain.
+        self._routing.end(registration, notify=not self._shutting_down)
         log.info("registration ended: inference_server_id=%s", server_id)
 
     async def _serve_admitted(
@@ -174,11 +189,26 @@ class RegistrationService:
     ) -> None:
         server_id = registration.identity.inference_server_id
         on_healthy = self._on_backend_healthy
+        # The latest applied message and when it arrived: what a verdict change re-applies.
+        latest: tuple[pb.InferenceServerRegistration, float] | None = None
+
+        def on_verdict(routable: bool) -> None:
+            if latest is None:
+                return  # nothing applied yet: the first update reads the verdict itself
+            message, received_at = latest
+            self._routing.apply(
+                registration,
+                routes_for_update(message, monitor.rtt_ns, received_at)
+                if routable
+                else dict.fromkeys(message.models, None),  # unroutable, still advertised
+            )
+
         monitor = HealthMonitor(
             registration.identity.url,
             self._probe,
             self._settings.health_interval_seconds,
             on_healthy=None if on_healthy is None else (lambda: on_healthy(server_id)),
+            on_verdict=on_verdict,
         )
         failure: GrpcError | None = None
         async with trio.open_nursery() as nursery:
@@ -188,8 +218,10 @@ class RegistrationService:
                 while message is not None:
                     check_identity(message, registration.identity)
                     rtt_ns = await monitor.rtt_for_update()
-                    routes = routes_for_update(message, rtt_ns, trio.current_time())
+                    received_at = trio.current_time()
+                    routes = routes_for_update(message, rtt_ns, received_at)
                     self._routing.apply(registration, routes)
+                    latest = (message, received_at)
                     await send(pb.InferenceServerAck())
                     message = await self._next_message(requests, idle_timeout)
             except GrpcError as error:

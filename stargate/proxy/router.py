@@ -10,6 +10,12 @@ accepted as final nothing is retried: its body is streamed to the client as it a
 The request body is read whole before routing (bounded by `--proxy-max-replay-body-bytes`), so a
 retry can always replay it. That trades the Rust replica's streaming first upload for a simpler,
 always-replayable attempt; LLM request bodies are small next to the default 64 MiB bound.
+
+An attempt still waiting for its response head is cancelled when its backend stops being routable
+for the target (its probe failed, its Pylon marked the model INACTIVE, or its registration ended:
+`backend_unroutable`, the routing state's listener). It then fails over like a transport failure,
+within the same connect-retry budget, instead of waiting out the head timeout on a backend the
+control plane has given up on (docs/stale-routes.md). Once the head has arrived nothing is cut.
 """
 
 from __future__ import annotations
@@ -31,7 +37,13 @@ from stargate.proxy.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
-from stargate.routing import BackendSnapshot, ClusterSnapshot, RoutingState, RoutingTargetKey
+from stargate.routing import (
+    BackendSnapshot,
+    ClusterSnapshot,
+    Registration,
+    RoutingState,
+    RoutingTargetKey,
+)
 from stargate.routing.balancers import (
     RoutingRequest,
     choose_backend,
@@ -51,6 +63,7 @@ from stargate.routing.lb_config import (
 __all__ = [
     "UNREGISTERED",
     "Forwarded",
+    "HeadWaits",
     "LocalError",
     "Router",
     "no_eligible_candidates",
@@ -111,6 +124,56 @@ class Forwarded:
     backend: BackendSnapshot
 
 
+HeadWaitKey = tuple[Registration, RoutingTargetKey]
+
+
+class HeadWaits:
+    """The cancel scopes of attempts waiting for a response head, by (registration, target).
+
+    Keyed by the `Registration` object (compared by identity), not the server id: a same-id
+    replacement is another backend generation, and its removal must not cancel attempts on this
+    one. Sets are dropped when they empty, so the map holds only attempts in flight.
+    """
+
+    __slots__ = ("_scopes",)
+
+    def __init__(self) -> None:
+        self._scopes: dict[HeadWaitKey, set[trio.CancelScope]] = {}
+
+    @property
+    def pairs(self) -> int:
+        """(registration, target) pairs with an attempt waiting: 0 once every attempt ended."""
+        return len(self._scopes)
+
+    def open(self, registration: Registration, target: RoutingTargetKey) -> trio.CancelScope:
+        """A new scope for one attempt; `close` it when the attempt stops waiting."""
+        scope = trio.CancelScope()
+        self._scopes.setdefault((registration, target), set()).add(scope)
+        return scope
+
+    def close(
+        self, registration: Registration, target: RoutingTargetKey, scope: trio.CancelScope
+    ) -> None:
+        key = (registration, target)
+        scopes = self._scopes.get(key)
+        if scopes is None:
+            return
+        scopes.discard(scope)
+        if not scopes:
+            del self._scopes[key]
+
+    def cancel(self, registration: Registration, target: RoutingTargetKey) -> int:
+        """Cancel every attempt waiting on this backend for this target; how many there were."""
+        scopes = self._scopes.get((registration, target), ())
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
+
+    def __len__(self) -> int:
+        """Attempts waiting for a head now."""
+        return sum(len(scopes) for scopes in self._scopes.values())
+
+
 @dataclass(slots=True)
 class _Attempts:
     """Per-request retry state (§2.1)."""
@@ -149,6 +212,7 @@ class Router:
         self._rng = rng or random.Random()
         self._backend_counters: dict[tuple[Hashable, str], int] = {}
         self.demoted: set[str] = set()
+        self.head_waits = HeadWaits()
 
     def forget_target(self, target: RoutingTargetKey) -> None:
         """The target emptied: its load-balancer state and cluster counters start afresh."""
@@ -159,6 +223,19 @@ class Router:
     def backend_healthy(self, inference_server_id: str) -> None:
         """A health probe succeeded: a backend demoted by a connection failure is routable again."""
         self.demoted.discard(inference_server_id)
+
+    def backend_unroutable(self, registration: Registration, target: RoutingTargetKey) -> None:
+        """The routing state's listener: this backend no longer serves `target`, so attempts
+        still waiting for its response head move on now rather than at the head timeout."""
+        cancelled = self.head_waits.cancel(registration, target)
+        if cancelled:
+            log.info(
+                "backend unroutable; moving %d request(s) waiting for its response head: "
+                "backend=%s model=%s",
+                cancelled,
+                registration.identity.inference_server_id,
+                target.model_id,
+            )
 
     def metric_labels(self, request: ProxyRequest) -> dict[str, str]:
         """`model` and `routing_key` labels for `request`: its own for a target some backend
@@ -297,11 +374,18 @@ class Router:
                 request.input_tokens,
                 request.priority,
             )
+            if reservation is None:
+                # The backend left the target after this cluster's snapshot was taken (a previous
+                # attempt waited): no longer a candidate. Nothing is sent, so no retry is spent.
+                state.failed_backends.add(backend.inference_server_id)
+                continue
             headers = _attempt_headers(request.headers, cluster, request.priority)
             url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
             self._metrics.replay_buffer_bytes.labels(model=request.model_id).observe(len(body))
             try:
-                response = await self._pool.request("POST", url, headers, body)
+                response = await self._request_head(
+                    backend.registration, target, url, headers, body
+                )
             except UpstreamError as error:
                 self._metrics.attempts.labels(result="proxy_502", **server_labels).inc()
                 log.warning(
@@ -314,26 +398,34 @@ class Router:
                     self.demoted.add(backend.inference_server_id)
                     if self._on_connect_failure is not None:
                         self._on_connect_failure(request.model_id)  # e.g. a pool's resident died
-                if _expired(budget_deadline):
-                    self._metrics.retry_exhausted.labels(
-                        reason="retry_budget_exhausted", **labels
-                    ).inc()
-                    return LocalError(_upstream_failed(request))
-                if state.connect_retries >= self._config.max_connect_retries:
-                    self._metrics.retry_exhausted.labels(
-                        reason="connect_retries_exhausted", **labels
-                    ).inc()
-                    return LocalError(_upstream_failed(request))
-                state.connect_retries += 1
-                self._metrics.retries.labels(reason="connect_failover", **labels).inc()
+                stop = self._failover(request, state, budget_deadline, labels, "connect_failover")
+                if stop is not None:
+                    return stop
                 state.failed_backends.add(backend.inference_server_id)
                 continue  # a sibling first, then another cluster
+            if response is None:
+                # The backend stopped being routable before its head arrived: nothing was
+                # received, the body is buffered, so this is a transport failure for the retry
+                # rules (no demotion: the control plane already took the backend out).
+                self._metrics.attempts.labels(
+                    result="proxy_backend_unroutable", **server_labels
+                ).inc()
+                log.info(
+                    "upstream attempt moved: request_id=%s backend=%s is no longer routable",
+                    request.request_id,
+                    backend.inference_server_id,
+                )
+                stop = self._failover(request, state, budget_deadline, labels, "backend_unroutable")
+                if stop is not None:
+                    return stop
+                state.failed_backends.add(backend.inference_server_id)
+                continue
             self._metrics.attempts.labels(
                 result=f"upstream_{response.status}", **server_labels
             ).inc()
             self._metrics.duration.labels(**server_labels).observe(trio.current_time() - start)
             reason = self._retry_reason(response)
-            if reservation is not None and _is_queue_estimate_mismatch(response):
+            if _is_queue_estimate_mismatch(response):
                 self._routing.release(reservation)
             if reason is None:
                 return Forwarded(response, backend)
@@ -353,6 +445,44 @@ class Router:
                 continue
             state.failed_clusters.add(cluster.cluster_id)
             return None
+
+    async def _request_head(
+        self,
+        registration: Registration,
+        target: RoutingTargetKey,
+        url: str,
+        headers: Headers,
+        body: bytes,
+    ) -> UpstreamResponse | None:
+        """Send one attempt and wait for its response head; None when the backend stopped being
+        routable for `target` first (`backend_unroutable` cancelled the wait)."""
+        scope = self.head_waits.open(registration, target)
+        try:
+            with scope:
+                return await self._pool.request("POST", url, headers, body)
+        finally:
+            self.head_waits.close(registration, target, scope)
+        return None  # cancelled by `backend_unroutable`; the pool closed the connection
+
+    def _failover(
+        self,
+        request: ProxyRequest,
+        state: _Attempts,
+        budget_deadline: float | None,
+        labels: dict[str, str],
+        reason: str,
+    ) -> LocalError | None:
+        """After an attempt failed before its response head: None to try another backend (one
+        connect retry spent), or the 502 when the retry budget or the connect retries are out."""
+        if _expired(budget_deadline):
+            self._metrics.retry_exhausted.labels(reason="retry_budget_exhausted", **labels).inc()
+            return LocalError(_upstream_failed(request))
+        if state.connect_retries >= self._config.max_connect_retries:
+            self._metrics.retry_exhausted.labels(reason="connect_retries_exhausted", **labels).inc()
+            return LocalError(_upstream_failed(request))
+        state.connect_retries += 1
+        self._metrics.retries.labels(reason=reason, **labels).inc()
+        return None
 
     def _unavailable(
         self, request: ProxyRequest, state: _Attempts, choosable: bool, labels: dict[str, str]

@@ -16,6 +16,10 @@ objects compared by pointer, this does with Python objects compared by `is`:
 "Advertised" and "active" are different sets (§7 trap 7): every model a registration lists, in any
 status, is advertised (a request for it gets 503 rather than 404 while none is active); a model is
 active for a registration only while a backend entry is stored for it.
+
+When a backend entry goes (the Pylon's update, the replica's own health probe, or the end of the
+registration), `on_backend_unroutable` hears of it, so the proxy can move requests still waiting
+for that backend's response head (docs/stale-routes.md).
 """
 
 from __future__ import annotations
@@ -312,6 +316,7 @@ class _Target:
 
 
 TargetCountListener = Callable[[RoutingTargetKey, int], None]
+BackendUnroutableListener = Callable[[Registration, RoutingTargetKey], None]
 
 
 class RoutingState:
@@ -320,6 +325,11 @@ class RoutingState:
     `on_target_count(target, count)` is called after every change of a target's active backend
     count (with 0 when the target empties), so the metrics layer can keep the
     `active_inference_servers` gauge without this module importing it.
+
+    `on_backend_unroutable(registration, target)` is called after the backend entry of exactly
+    that registration leaves `target` (once per entry; never for an entry that was not stored), so
+    the proxy can cancel attempts still waiting for that backend's response head instead of
+    letting them wait out the head timeout. It must not mutate the routing state.
     """
 
     def __init__(
@@ -327,8 +337,10 @@ class RoutingState:
         on_target_count: TargetCountListener | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
+        on_backend_unroutable: BackendUnroutableListener | None = None,
     ) -> None:
         self._on_target_count = on_target_count
+        self._on_backend_unroutable = on_backend_unroutable
         self._registrations: dict[str, Registration] = {}
         self._clusters: dict[tuple[str | None, str], ClusterGeneration] = {}
         self._advertised: dict[RoutingTargetKey, int] = {}
@@ -391,11 +403,14 @@ class RoutingState:
         registration._applying_previous = None
         return True
 
-    def end(self, registration: Registration) -> bool:
+    def end(self, registration: Registration, *, notify: bool = True) -> bool:
         """End exactly this registration: remove every route and advertised membership it holds.
 
         A no-op (returns False) if the id now belongs to another registration or this one already
         ended. If it ends mid-update, routes of the previous and the advertised set both go.
+        `notify=False` keeps `on_backend_unroutable` silent: for removals that say nothing about
+        the backend (the replica's own shutdown, a held registration replaced by the same
+        backend's new stream), where requests in flight should finish where they are.
         """
         if self._registrations.get(registration.identity.inference_server_id) is not registration:
             return False
@@ -412,7 +427,7 @@ class RoutingState:
             if self._clusters.get(key) is generation:
                 del self._clusters[key]
         for model_id in cleanup:
-            self._remove(registration, registration.target(model_id))
+            self._remove(registration, registration.target(model_id), notify=notify)
         return True
 
     def is_live(self, registration: Registration) -> bool:
@@ -559,7 +574,9 @@ class RoutingState:
         state.snapshot = None
         self._publish(target)
 
-    def _remove(self, registration: Registration, target: RoutingTargetKey) -> None:
+    def _remove(
+        self, registration: Registration, target: RoutingTargetKey, *, notify: bool = True
+    ) -> None:
         state = self._targets.get(target)
         if state is None:
             return
@@ -572,6 +589,7 @@ class RoutingState:
                 return
             del state.clusters[identity.cluster_id]  # stale: drop the whole retired cluster
             cluster.release_all()
+            entry: BackendSnapshot | None = None  # its backends belong to ended registrations
         else:
             entry = cluster.backends.get(identity.inference_server_id)
             if entry is None or entry.registration is not registration:
@@ -586,6 +604,8 @@ class RoutingState:
         if not state.clusters:
             del self._targets[target]
         self._publish(target)
+        if entry is not None and notify and self._on_backend_unroutable is not None:
+            self._on_backend_unroutable(registration, target)
 
     def _publish(self, target: RoutingTargetKey) -> None:
         if self._on_target_count is not None:
