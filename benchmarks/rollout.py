@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import random
 import signal
 import socket
 import struct
@@ -805,17 +806,36 @@ BRING_UP_ATTEMPTS = 3
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct loopback ports that were free a moment ago (the OS picks them)."""
-    sockets: list[socket.socket] = []
+    """Distinct loopback ports that were free a moment ago, picked *below* the kernel's
+    ephemeral range: the thousands of client connections of a run take their local ports from
+    that range, and one of them could otherwise take a slot's port while its replica restarts."""
+    low = _ephemeral_low()
+    chosen: list[int] = []
+    rng = random.Random()
+    for _ in range(count * 50):
+        if len(chosen) == count:
+            return chosen
+        port = rng.randrange(PORT_FLOOR, low)
+        if port in chosen:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+    raise RolloutError(f"could not find {count} free ports in [{PORT_FLOOR}, {low})")
+
+
+PORT_FLOOR = 20_000
+
+
+def _ephemeral_low() -> int:
     try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return max(PORT_FLOOR + 1_000, int(text.split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 _DELAY_FLAG: bool | None = None
