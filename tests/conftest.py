@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -31,10 +32,35 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> floa
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that was free a moment ago, below the kernel's ephemeral range.
+
+    Ports the OS picks for `bind(0)` come from the ephemeral range, which every outgoing
+    connection of every process on the machine also draws from; between the pick and the
+    replica's bind one of them could take it. Below that range only listeners compete.
+    """
+    low = _EPHEMERAL_LOW
+    for _ in range(200):
+        port = _rng.randrange(20_000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return max(
+            21_000, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        )
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_rng = random.Random()
 
 
 @dataclass
