@@ -180,6 +180,14 @@ def main() -> None:
     "repeatable or comma-separated.",
 )
 @option(
+    "--peer-absent-after-ms",
+    envvar="STARGATE_PEER_ABSENT_AFTER_MS",
+    type=NON_NEGATIVE_INT,
+    default=30_000,
+    help="A static peer that fails its gRPC health checks (one every --dns-poll-ms) for this long "
+    "is left out of WatchStargates until it answers again (0 = never checked, always listed).",
+)
+@option(
     "--disable-dns-discovery",
     envvar="STARGATE_DISABLE_DNS_DISCOVERY",
     is_flag=True,
@@ -409,6 +417,7 @@ def serve(
     advertise_addr: ListenAddress | None,
     stargate_discovery_dns_name: str | None,
     peers: tuple[str, ...],
+    peer_absent_after_ms: int,
     disable_dns_discovery: bool,
     dns_poll_ms: int,
     watch_heartbeat_ms: int,
@@ -469,6 +478,7 @@ def serve(
                 watch_heartbeat_ms=watch_heartbeat_ms,
                 remote_stargate_urls=remote_stargate_urls,
                 grpc_pylon_dial_addr=(grpc_pylon_dial_addr or "").strip() or None,
+                peer_absent_after_ms=peer_absent_after_ms,
             ),
             control_plane=ControlPlaneConfig(
                 idle_timeout_ms=registration_update_idle_timeout_ms,

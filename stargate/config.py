@@ -134,6 +134,8 @@ class DiscoverySettings:
 
     Modes: a DNS name polled every `dns_poll_ms` (in Kubernetes, the headless Service), a static
     `peers` list, or this replica alone (`disable_dns_discovery`, or neither of the others set).
+    Static peers are health-checked every `dns_poll_ms` and left out of `WatchStargates` once they
+    have not answered for `peer_absent_after_ms` (0: never checked, always listed).
     """
 
     dns_name: str | None = None
@@ -143,12 +145,15 @@ class DiscoverySettings:
     watch_heartbeat_ms: int = 5_000
     remote_stargate_urls: tuple[str, ...] = ()
     grpc_pylon_dial_addr: str | None = None
+    peer_absent_after_ms: int = 30_000
 
     def __post_init__(self) -> None:
         if self.dns_poll_ms <= 0:
             raise ConfigError("dns poll interval must be greater than 0")
         if self.watch_heartbeat_ms < 0:
             raise ConfigError("watch heartbeat must not be negative")
+        if self.peer_absent_after_ms < 0:
+            raise ConfigError("peer absence must not be negative")
         if self.disable_dns_discovery and self.peers:
             raise ConfigError("--peer cannot be combined with --disable-dns-discovery")
         if self.dns_name and self.peers:

@@ -4,20 +4,47 @@ A replica owns a private `CollectorRegistry` (never the process-global default),
 several in-process replicas never share counters, and the exposition has no process collectors,
 as in the Rust replica. Every name gets the `--metrics-prefix` (default `stargate_`). Label names
 are declared in alphabetical order so the text output matches the Rust exposition.
+
+Series follow the fleet (docs/metrics.md): a label set that names a backend
+(`inference_server_id`) or a target (`model`, `routing_key`) that has left every live
+registration is removed `SERIES_GRACE_SECONDS` later. Which ones is decided by `SeriesSweeper`
+(pure: label sets, liveness and a clock value in, label sets to remove out); `DepartedSeriesSweep`
+applies it to the registry, and the runtime calls it periodically. `/metrics` is rendered in a
+worker thread with the cyclic garbage collector paused, so a large exposition delays the trio
+loop that serves requests by a GIL switch interval at a time rather than stalling it throughout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+import gc
+import logging
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from stargate.asgi import answer_lifespan
 
-__all__ = ["Metrics", "ProxyMetrics", "ReadinessMetrics", "metrics_asgi_app"]
+__all__ = [
+    "SERIES_GRACE_SECONDS",
+    "SERIES_SWEEP_INTERVAL_SECONDS",
+    "DepartedSeriesSweep",
+    "FleetLabels",
+    "LiveFleet",
+    "Metrics",
+    "ProxyMetrics",
+    "ReadinessMetrics",
+    "SeriesKey",
+    "SeriesSweeper",
+    "metrics_asgi_app",
+    "sweep_interval",
+]
+
+log = logging.getLogger(__name__)
 
 # `_created` series double the exposition for no operator value; the Rust replica has none.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -214,6 +241,258 @@ class Metrics:
         self.active_inference_servers.labels(model=model, routing_key=routing_key or "").set(count)
 
 
+# --------------------------------------------------------------------------------------------
+# Series that follow the fleet
+
+SERIES_GRACE_SECONDS = 300.0
+"""How long the series of a backend or target that left the fleet stay exported.
+
+Long enough that the last increments of a departed backend are scraped (any scrape interval up to
+a few minutes) and that a Pylon restarting under the same id keeps its series; short enough that
+a fleet whose engine pods restart all day exports only what is live. A constant, not a flag: no
+operator need was found that a different value would serve (docs/metrics.md).
+"""
+
+SERIES_SWEEP_INTERVAL_SECONDS = 30.0
+"""How often the runtime looks for series to remove (shorter for a test's shorter grace)."""
+
+LabelValues = tuple[str, ...]
+SeriesKey = tuple[str, LabelValues]
+"""A family's name and one of its label sets."""
+Fingerprint = tuple[float, ...]
+"""Every sample value of one series: it changes when the series is written."""
+
+
+def sweep_interval(grace_seconds: float) -> float:
+    """The sweep period for a grace period: removal lands within grace + 2 sweeps of leaving."""
+    return min(SERIES_SWEEP_INTERVAL_SECONDS, grace_seconds / 4)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFleet:
+    """What the routing state holds now: the ids of live registrations, and the targets and
+    models they advertise (any status). Label values: an unkeyed routing key is ""."""
+
+    backends: frozenset[str] = frozenset()
+    targets: frozenset[tuple[str, str]] = frozenset()  # (routing_key label, model)
+    models: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, registrations: Iterable[tuple[str, str | None, Iterable[str]]]) -> LiveFleet:
+        """From `(inference_server_id, routing_key, advertised models)` of each registration."""
+        backends: set[str] = set()
+        targets: set[tuple[str, str]] = set()
+        for server_id, routing_key, models in registrations:
+            backends.add(server_id)
+            targets.update((routing_key or "", model) for model in models)
+        return cls(frozenset(backends), frozenset(targets), frozenset(m for _, m in targets))
+
+
+@dataclass(frozen=True, slots=True)
+class FleetLabels:
+    """Where a family's label values name a fleet member: a backend, a model, a routing key.
+
+    A series is live while every member it names is: its backend has a live registration, and
+    its model is advertised (under its routing key when the family has one). An empty backend id
+    (a local answer) names no backend; a model in `pinned_models` (the empty label, the proxy's
+    bounded "unregistered" sentinel) names no target. A series that names nothing is never
+    removed: its label set is bounded by construction.
+    """
+
+    backend: int | None
+    model: int | None
+    routing_key: int | None
+
+    @classmethod
+    def of(cls, labelnames: Sequence[str]) -> FleetLabels:
+        def position(name: str) -> int | None:
+            return labelnames.index(name) if name in labelnames else None
+
+        return cls(position("inference_server_id"), position("model"), position("routing_key"))
+
+    def is_live(self, values: LabelValues, fleet: LiveFleet, pinned_models: frozenset[str]) -> bool:
+        backend = "" if self.backend is None else values[self.backend]
+        if backend and backend not in fleet.backends:
+            return False
+        if self.model is not None and values[self.model] not in pinned_models:
+            model = values[self.model]
+            if self.routing_key is None:
+                return model in fleet.models
+            return (values[self.routing_key], model) in fleet.targets
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Stale:
+    since: float  # when the series was first seen not live, or last seen changing
+    fingerprint: Fingerprint
+
+
+class SeriesSweeper:
+    """Decides which series to remove: those not live, and unchanged, for the grace period.
+
+    Pure (no clock, no registry): each `sweep` gets every series with its liveness, a way to read
+    a series' values, and the time. State is kept only for series not live now, so it is bounded
+    by what is exported. A series not live that still changes (a stream to a departed backend
+    finishing, requests for a model whose backends are all gone) restarts its grace period, so
+    series that are written are never removed under the writer. A removed series that is written
+    again is created afresh and starts from 0: Prometheus reads that as a counter reset.
+    """
+
+    def __init__(self, grace_seconds: float) -> None:
+        if grace_seconds <= 0:
+            raise ValueError("series grace period must be greater than 0")
+        self.grace_seconds = grace_seconds
+        self._stale: dict[SeriesKey, _Stale] = {}
+
+    @property
+    def tracked(self) -> int:
+        """Series not live now whose grace period is running."""
+        return len(self._stale)
+
+    def sweep(
+        self,
+        series: Iterable[tuple[SeriesKey, bool]],
+        fingerprint: Callable[[SeriesKey], Fingerprint],
+        now: float,
+    ) -> list[SeriesKey]:
+        """The series to remove now, from `(key, live)` pairs of every series that exists.
+
+        `fingerprint` is only called for series that are not live (once when the grace period
+        starts, then when it has run out), so a sweep over a live fleet reads no values.
+        """
+        stale: dict[SeriesKey, _Stale] = {}
+        expired: list[SeriesKey] = []
+        for key, live in series:
+            if live:
+                continue
+            state = self._stale.get(key)
+            if state is None:
+                stale[key] = _Stale(now, fingerprint(key))
+            elif now - state.since < self.grace_seconds:
+                stale[key] = state
+            elif (current := fingerprint(key)) != state.fingerprint:
+                stale[key] = _Stale(now, current)
+            else:
+                expired.append(key)
+        self._stale = stale  # forgets series that are live again, gone, or expired now
+        return expired
+
+
+class DepartedSeriesSweep:
+    """Applies `SeriesSweeper` to the families of `Metrics` whose labels name fleet members.
+
+    Runs on the trio thread; the scrape renders in a worker thread meanwhile. That is safe:
+    prometheus_client guards each family's children with the family's lock (`labels`, `remove`,
+    and the copy a scrape iterates), and each value with its own lock. Activator families are not
+    swept: their pool and member labels come from the pool file, a fixed set.
+    """
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        grace_seconds: float = SERIES_GRACE_SECONDS,
+        pinned_models: Iterable[str] = (),
+    ) -> None:
+        self._sweeper = SeriesSweeper(grace_seconds)
+        self._pinned = frozenset({"", *pinned_models})
+        proxy = metrics.proxy
+        families: list[MetricWrapperBase] = [
+            proxy.requests,
+            proxy.attempts,
+            proxy.duration,
+            proxy.retries,
+            proxy.retry_exhausted,
+            proxy.selections,
+            proxy.admission_rejections,
+            proxy.routing_duration,
+            proxy.replay_buffer_bytes,
+            metrics.active_inference_servers,
+        ]
+        self._families = {
+            family._name: (family, FleetLabels.of(family._labelnames)) for family in families
+        }
+
+    @property
+    def grace_seconds(self) -> float:
+        return self._sweeper.grace_seconds
+
+    def sweep(self, fleet: LiveFleet, now: float) -> int:
+        """Remove the series whose grace period ran out; return how many were removed."""
+        pinned = self._pinned
+
+        def series() -> Iterable[tuple[SeriesKey, bool]]:
+            for name, (family, labels) in self._families.items():
+                for values in _label_sets(family):
+                    yield (name, values), labels.is_live(values, fleet, pinned)
+
+        def fingerprint(key: SeriesKey) -> Fingerprint:
+            family = self._families[key[0]][0]
+            with family._lock:
+                child = family._metrics.get(key[1])
+            return () if child is None else _fingerprint(child)
+
+        expired = self._sweeper.sweep(series(), fingerprint, now)
+        by_family: dict[str, list[LabelValues]] = {}
+        for name, values in expired:
+            by_family.setdefault(name, []).append(values)
+        for name, label_sets in by_family.items():
+            _remove(self._families[name][0], label_sets)
+        if expired:
+            log.debug("removed %d metric series of departed backends and targets", len(expired))
+        return len(expired)
+
+
+def _fingerprint(child: MetricWrapperBase) -> Fingerprint:
+    """What changes when a series is written: a counter's or gauge's value, a histogram's sum.
+
+    Read from the value cells rather than through `_samples()`, which formats every bucket and
+    costs a hundred times as much (some 50 us per histogram): a sweep after 1,000 backends left
+    reads thousands of these on the trio thread. A histogram's sum moves with every observation
+    but one of exactly 0, which these histograms never see (durations are positive; a request
+    that reaches a backend has a body).
+    """
+    kind = type(child)  # exact types: `isinstance` against these classes is slow
+    if kind is Histogram:
+        return (cast(Histogram, child)._sum.get(),)
+    if kind is Counter or kind is Gauge:
+        return (cast(Counter | Gauge, child)._value.get(),)
+    return tuple(sample.value for sample in child._samples())
+
+
+def _remove(family: MetricWrapperBase, label_sets: Iterable[LabelValues]) -> None:
+    """`family.remove(*values)` for each label set, under one acquisition of the family's lock
+    (`remove` itself consults the environment twice per call: a third of a mass removal's cost)."""
+    with family._lock:
+        for values in label_sets:
+            family._metrics.pop(values, None)
+
+
+def _label_sets(family: MetricWrapperBase) -> list[LabelValues]:
+    """The label sets a family holds now (prometheus_client has no public listing; its own
+    `remove_by_labels` reads the same dict under the same lock)."""
+    with family._lock:
+        return [tuple(values) for values in family._metrics]
+
+
+def _render(registry: CollectorRegistry) -> bytes:
+    """The text exposition, with the cyclic garbage collector paused while it is built.
+
+    A render allocates some 10 objects per sample, which triggers full collections of the whole
+    heap; each holds the GIL, and so stalls the trio thread, for 40-55 ms at 1,000 backends
+    (docs/metrics.md). Its garbage has no cycles (reference counting frees it), so pausing the
+    collector for the render loses nothing; it resumes right after, unless it was off already.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return generate_latest(registry)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 ASGIScope = MutableMapping[str, Any]
 ASGIReceive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 ASGISend = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -226,7 +505,13 @@ def metrics_asgi_app(
 
     It answers the lifespan protocol itself: Hypercorn's trio worker fails at start-up on an app
     that ignores lifespan (stack-notes P9), which `prometheus_client.make_asgi_app` does.
+
+    The exposition is rendered in a worker thread: with many backends it takes tens of ms of pure
+    Python, which on the trio thread would stall every request and registration stream for that
+    long (docs/metrics.md has the figures). One render at a time: concurrent scrapers queue
+    rather than run several renders that compete for the GIL.
     """
+    render_limiter = trio.CapacityLimiter(1)
 
     async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
@@ -239,7 +524,8 @@ def metrics_asgi_app(
         elif scope["method"] not in ("GET", "HEAD"):
             status, headers, body = 405, [(b"allow", b"GET, HEAD")], b""
         else:
-            status, body = 200, generate_latest(registry)
+            body = await trio.to_thread.run_sync(_render, registry, limiter=render_limiter)
+            status = 200
             headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
             if scope["method"] == "HEAD":
                 headers.append((b"content-length", str(len(body)).encode()))

@@ -77,9 +77,16 @@ from stargate.control_plane.health import http_health_probe
 from stargate.control_plane.registration import RegistrationService, RegistrationSettings
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.http_app import create_http_app
-from stargate.metrics import Metrics, metrics_asgi_app
+from stargate.metrics import (
+    SERIES_GRACE_SECONDS,
+    DepartedSeriesSweep,
+    LiveFleet,
+    Metrics,
+    metrics_asgi_app,
+    sweep_interval,
+)
 from stargate.proxy.app import ProxyApp
-from stargate.proxy.router import Router
+from stargate.proxy.router import UNREGISTERED, Router
 from stargate.proxy.upstream import PoolConfig as UpstreamPoolConfig
 from stargate.proxy.upstream import UpstreamPool
 from stargate.readiness import Readiness
@@ -191,13 +198,20 @@ async def serve_asgi(
 class Replica:
     """A replica's parts, wired together.
 
-    `run()` serves until shutdown and returns the process exit code.
+    `run()` serves until shutdown and returns the process exit code. `series_grace_seconds`
+    (not a flag; tests shorten it) is how long the metric series of a departed backend or target
+    stay exported (docs/metrics.md).
     """
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(
+        self, config: ServeConfig, *, series_grace_seconds: float = SERIES_GRACE_SECONDS
+    ) -> None:
         self.config = config
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = Metrics(self.registry, config.metrics_prefix)
+        self.series_sweep = DepartedSeriesSweep(
+            self.metrics, grace_seconds=series_grace_seconds, pinned_models=(UNREGISTERED,)
+        )
         self.routing = RoutingState(
             on_target_count=self._publish_target_count,
             # Requests waiting on a backend that stops being routable move on (the router is
@@ -381,6 +395,7 @@ class Replica:
                     )
                 await services.start(self._critical, "WatchStargates publisher", self.publisher.run)
                 services.start_soon(self._expire_idle_upstream_connections)
+                services.start_soon(self._sweep_departed_series)
                 self.activator = await self._start_activator(services)
                 # The HTTP app is built once the activator exists: the proxy holds pooled requests.
                 proxy_app = ProxyApp(
@@ -559,6 +574,19 @@ class Replica:
             await trio.sleep(self.pool.config.idle_expiry)
             self.pool.close_expired()
 
+    async def _sweep_departed_series(self) -> None:
+        """Remove the metric series of backends and targets that left the fleet a grace period
+        ago, so `/metrics` (its size, and the time to render it) follows the live fleet rather
+        than every Pylon that ever registered."""
+        interval = sweep_interval(self.series_sweep.grace_seconds)
+        while True:
+            await trio.sleep(interval)
+            fleet = LiveFleet.of(
+                (r.identity.inference_server_id, r.identity.routing_key, r.models)
+                for r in self.routing.registrations()
+            )
+            self.series_sweep.sweep(fleet, trio.current_time())
+
     async def _finish_drain(self) -> None:
         """End the servers once nothing is in flight; their remaining connections are idle."""
         await self._in_flight.wait_idle()
@@ -665,6 +693,7 @@ def _discovery_config(config: ServeConfig, bound: BoundAddresses) -> DiscoveryCo
         watch_heartbeat_ms=settings.watch_heartbeat_ms,
         remote_stargate_urls=settings.remote_stargate_urls,
         grpc_pylon_dial_addr=settings.grpc_pylon_dial_addr,
+        peer_absent_after_ms=settings.peer_absent_after_ms,
     )
 
 

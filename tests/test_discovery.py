@@ -1,17 +1,22 @@
 """Discovery rules and the `WatchStargates` publisher.
 
 Publisher tests run on `autojump_clock` (virtual time that jumps whenever every task is blocked)
-with an in-memory resolver, so poll and heartbeat timing is exact and no test touches DNS or
-sleeps for real. Only `test_real_resolver_resolves_localhost` uses the system resolver.
+with an in-memory resolver and peer checker, so poll, heartbeat and peer-absence timing is exact
+and no test touches DNS or sleeps for real. Only `test_real_resolver_resolves_localhost` uses
+the system resolver, and one test runs three real replicas on loopback to check static peers end
+to end.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import trio
 from trio.testing import MockClock
@@ -32,6 +37,10 @@ from stargate.control_plane.discovery import (
     resolve_ips,
     should_publish,
 )
+from stargate.control_plane.peer_health import PeerHealthMonitor, PeerStatus, next_status
+from stargate.protocol import stargate_pb2 as pb
+from stargate.protocol import stargate_pb2_grpc as pb_grpc
+from tests.conftest import Ports, StargateProcess, launch, stop, wait_until
 
 SELF_IP = "10.0.0.1"
 SELF = f"{SELF_IP}:50071"
@@ -602,3 +611,193 @@ async def test_real_resolver_resolves_localhost() -> None:
     assert ips
     assert len(ips) == len(set(ips))
     assert {"127.0.0.1", "::1"} & set(ips)
+
+
+# --------------------------------------------------------------------------------------------
+# Static peers that can be absent
+
+PEER_B = "10.0.0.2:50071"
+PEER_C = "10.0.0.3:50071"
+
+
+@dataclass
+class FakeChecker:
+    """Health checks answered from sets: `down` fail, `hang` never answer, `broken` raise."""
+
+    down: set[str] = field(default_factory=set)
+    hang: set[str] = field(default_factory=set)
+    broken: set[str] = field(default_factory=set)
+    calls: list[tuple[float, str]] = field(default_factory=list)
+
+    async def __call__(self, address: str, seconds: float) -> bool:
+        self.calls.append((trio.current_time(), address))
+        await trio.lowlevel.checkpoint()
+        if address in self.hang:
+            await trio.sleep_forever()
+        if address in self.broken:
+            raise OSError("connection refused")
+        return address not in self.down
+
+
+def peer_config(**overrides: Any) -> DiscoveryConfig:
+    settings: dict[str, Any] = {
+        "dns_name": None,
+        "peers": (f"sg-1={PEER_B}", PEER_C, f"sg-0={SELF}"),  # self is listed too, and folded
+        "peer_absent_after_ms": 3000,
+    }
+    settings.update(overrides)
+    return make_config(**settings)
+
+
+def test_peer_status_becomes_absent_after_a_run_of_failures_and_present_on_a_success() -> None:
+    status = PeerStatus()
+    assert status.present
+    status = next_status(status, ok=False, now=10.0, absent_after_s=3)
+    assert status == PeerStatus(True, 10.0)  # the run starts at the first failed check
+    status = next_status(status, ok=False, now=12.9, absent_after_s=3)
+    assert status.present
+    status = next_status(status, ok=False, now=13.0, absent_after_s=3)
+    assert status == PeerStatus(False, 10.0)
+    status = next_status(status, ok=False, now=100.0, absent_after_s=3)
+    assert not status.present  # stays absent however long
+    assert next_status(status, ok=True, now=101.0, absent_after_s=3) == PeerStatus()
+    # A success in the middle of a run ends it: absence needs an unbroken run.
+    interrupted = next_status(PeerStatus(True, 10.0), ok=True, now=12.0, absent_after_s=3)
+    assert next_status(interrupted, ok=False, now=13.0, absent_after_s=3) == PeerStatus(True, 13.0)
+
+
+def test_peer_monitor_logs_only_transitions(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="stargate.control_plane.peer_health")
+    monitor = PeerHealthMonitor(
+        {PEER_B: "sg-1"}, absent_after_ms=1000, interval_ms=100, checker=FakeChecker()
+    )
+    for now in (0.0, 0.5, 1.0, 1.5):
+        monitor.observe(PEER_B, ok=False, now=now)
+    assert monitor.absent() == {PEER_B}
+    monitor.observe(PEER_B, ok=True, now=2.0)
+    monitor.observe(PEER_B, ok=True, now=2.5)
+    assert monitor.absent() == frozenset()
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert len(messages) == 2
+    assert messages[0][0] == logging.WARNING and "sg-1 (10.0.0.2:50071)" in messages[0][1]
+    assert messages[1][0] == logging.INFO and "answers again" in messages[1][1]
+
+
+def test_peer_absence_config_validation() -> None:
+    with pytest.raises(ValueError, match="--peer-absent-after-ms"):
+        peer_config(peer_absent_after_ms=-1)
+    assert make_config().peer_absent_after_ms == 0  # built in code: static means static
+    assert WatchPublisher(make_config(peer_absent_after_ms=5000)).peer_health is None  # DNS mode
+
+
+async def test_failing_peer_is_left_out_after_the_absent_period_and_back_on_success(
+    autojump_clock: MockClock,
+) -> None:
+    checker = FakeChecker(down={PEER_B})
+    publisher = WatchPublisher(peer_config(), FakeResolver(), peer_checker=checker)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        start = trio.current_time()
+        # Present at start, and through failures shorter than the absent period.
+        assert ids(publisher.current()) == ["10.0.0.3:50071", "sg-0", "sg-1"]
+        await trio.sleep(2.5)
+        assert "sg-1" in ids(publisher.current())
+        # First failure at 0 s, checks every poll (1 s): absent from the check at 3 s, published
+        # at that poll or the next.
+        await trio.sleep(2.0)
+        assert ids(publisher.current()) == ["10.0.0.3:50071", "sg-0"]
+        checker.down.clear()  # it answers again: listed from the next poll after the check
+        await trio.sleep(2.0)
+        assert ids(publisher.current()) == ["10.0.0.3:50071", "sg-0", "sg-1"]
+        publisher.stop()
+    assert {address for _, address in checker.calls} == {PEER_B, PEER_C}  # never self
+    b_checks = [at - start for at, address in checker.calls if address == PEER_B]
+    assert b_checks[:4] == [0.0, 1.0, 2.0, 3.0]  # one check per poll period
+
+
+async def test_a_check_that_hangs_fails_at_its_timeout(autojump_clock: MockClock) -> None:
+    checker = FakeChecker(hang={PEER_B})
+    publisher = WatchPublisher(
+        peer_config(), FakeResolver(), peer_checker=checker, peer_check_timeout_ms=1000
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        # Failures end at 1, 2, 3, 4 s (timeouts, back to back): absent at 4 s, not before.
+        await trio.sleep(3.5)
+        assert "sg-1" in ids(publisher.current())
+        await trio.sleep(2.0)
+        assert "sg-1" not in ids(publisher.current())
+        assert "10.0.0.3:50071" in ids(publisher.current())  # others are checked meanwhile
+        publisher.stop()
+
+
+async def test_a_check_that_raises_is_a_failed_check_not_a_crash(autojump_clock: MockClock) -> None:
+    checker = FakeChecker(broken={PEER_C})
+    publisher = WatchPublisher(peer_config(), FakeResolver(), peer_checker=checker)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        await trio.sleep(5)
+        assert ids(publisher.current()) == ["sg-0", "sg-1"]
+        publisher.stop()
+
+
+async def test_zero_absent_period_never_checks(autojump_clock: MockClock) -> None:
+    checker = FakeChecker(down={PEER_B, PEER_C})
+    publisher = WatchPublisher(
+        peer_config(peer_absent_after_ms=0), FakeResolver(), peer_checker=checker
+    )
+    assert publisher.peer_health is None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        await trio.sleep(60)
+        assert ids(publisher.current()) == ["10.0.0.3:50071", "sg-0", "sg-1"]
+        publisher.stop()
+    assert checker.calls == []
+
+
+def _listed(port: int) -> set[str]:
+    """The replica ids the first `WatchStargates` message from the replica at `port` lists."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.StargateControlPlaneStub(channel).WatchStargates(  # type: ignore[no-untyped-call]
+            pb.WatchStargatesRequest(), timeout=5
+        )
+        snapshot = next(call)
+        call.cancel()
+    return {entry.stargate_id for entry in snapshot.stargates}
+
+
+def test_real_replicas_leave_out_a_killed_static_peer_and_list_it_again_on_restart(
+    tmp_path: Path,
+) -> None:
+    """Three replicas list each other as static peers; one is killed, then restarted."""
+    ports = {name: Ports.pick() for name in ("a", "b", "c")}
+    peers = ",".join(f"{name}=127.0.0.1:{p.grpc}" for name, p in ports.items())
+
+    def start(name: str) -> StargateProcess:
+        return launch(
+            tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.log",
+            "serve",
+            f"--stargate-id={name}",
+            *ports[name].args(),
+            f"--peer={peers}",
+            "--peer-absent-after-ms=1000",
+            "--dns-poll-ms=200",
+            "--readiness-warmup-ms=0",
+            "--shutdown-delay-ms=0",
+        )
+
+    def everyone_lists(names: set[str], among: tuple[str, ...]) -> bool:
+        return all(_listed(ports[name].grpc) == names for name in among)
+
+    processes = {name: start(name) for name in ports}
+    try:
+        wait_until(lambda: everyone_lists({"a", "b", "c"}, ("a", "b", "c")), 20, "three replicas")
+        stop(processes["c"])  # SIGKILL: no goodbye, the port just stops answering
+        killed = time.monotonic()
+        gone = wait_until(lambda: everyone_lists({"a", "b"}, ("a", "b")), 10, "c left out")
+        assert gone - killed >= 1.0  # not before the absent period
+        processes["c"] = start("c")
+        wait_until(lambda: everyone_lists({"a", "b", "c"}, ("a", "b", "c")), 20, "c listed again")
+    finally:
+        for process in processes.values():
+            stop(process)

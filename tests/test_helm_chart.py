@@ -426,6 +426,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "advertiseAddr": "10.9.9.9:15071",
             "peer": ["10.0.0.1:15071", "b=10.0.0.2:15071"],  # replaces the DNS name
             "disableDnsDiscovery": False,  # a switch: false renders nothing (see below)
+            "peerAbsentAfterMs": 0,
             "dnsPollMs": 250,
             "watchHeartbeatMs": 0,
             "remoteStargateUrl": ["http://other-region:50071"],
@@ -510,6 +511,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert d.peers == ("10.0.0.1:15071", "b=10.0.0.2:15071")
     assert d.disable_dns_discovery is False
     assert (d.dns_poll_ms, d.watch_heartbeat_ms) == (250, 0)
+    assert d.peer_absent_after_ms == 0
     assert d.remote_stargate_urls == ("http://other-region:50071",)
     assert d.grpc_pylon_dial_addr == "lb.example:50071"
     cp = config.control_plane

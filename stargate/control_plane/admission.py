@@ -160,7 +160,8 @@ def routes_for_update(
         elif model.status == pb.INFERENCE_SERVER_STATUS_ACTIVE:
             if rtt_ns is None:
                 log.warning(
-                    "active model registration missing connection RTT; skipping routing update "
+                    "active model registration missing connection RTT (the backend health "
+                    "check has not passed); model applied as not routable "
                     "(inference_server_id=%s model=%s)",
                     message.inference_server_id,
                     model_id,

@@ -9,7 +9,9 @@ so what this module publishes decides which replicas receive backends. Three dis
   `publishNotReadyAddresses` warming pods are listed too, which is what lets Pylons register with
   a replica during its readiness warmup.
 * **Static peers** (`--peer ADDR`, repeatable, `host:port` or `id=host:port`): a fixed list, for
-  hosts without DNS-based discovery (docker compose, bare metal).
+  hosts without DNS-based discovery (docker compose, bare metal). With `--peer-absent-after-ms`
+  > 0 each peer is health-checked and left out while it has not answered for that long
+  (`stargate.control_plane.peer_health`), so Pylons stop dialling a replica that is gone.
 * **Self only** (`--disable-dns-discovery`, or nothing configured): just this replica.
 
 The module is split so that every rule can be tested without a clock or a network:
@@ -30,12 +32,19 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import trio
 
 from stargate.config import ConfigError, parse_listen_address
+from stargate.control_plane.peer_health import (
+    DEFAULT_PEER_CHECK_TIMEOUT_MS,
+    PeerChecker,
+    PeerHealthMonitor,
+    grpc_health_check,
+)
 
 __all__ = [
     "DEFAULT_RESOLVE_TIMEOUT_MS",
@@ -221,6 +230,10 @@ class DiscoveryConfig:
     trimmed with "" turned into None), so equality checks against discovered IPs are exact.
     `advertise_addr` must carry the real port: build this config after the gRPC listener is
     bound when `--listen-addr` uses port 0.
+
+    `peer_absent_after_ms` (static peers only): > 0 health-checks every peer and leaves out one
+    that has not answered for that long; 0 never checks. Its default here is 0, so a config built
+    in code (tests) touches no network; `stargate serve` passes the flag, default 30 s.
     """
 
     stargate_id: str
@@ -233,6 +246,7 @@ class DiscoveryConfig:
     watch_heartbeat_ms: int = 5000
     remote_stargate_urls: tuple[str, ...] = ()
     grpc_pylon_dial_addr: str | None = None
+    peer_absent_after_ms: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # canonicalisation of a frozen dataclass
@@ -261,6 +275,8 @@ class DiscoveryConfig:
             raise ConfigError("DNS poll interval (--dns-poll-ms) must be greater than 0")
         if self.watch_heartbeat_ms < 0:
             raise ConfigError("watch heartbeat (--watch-heartbeat-ms) must not be negative")
+        if self.peer_absent_after_ms < 0:
+            raise ConfigError("peer absence (--peer-absent-after-ms) must not be negative")
         if self.peers:
             if self.disable_dns_discovery:
                 raise ConfigError("--peer cannot be combined with --disable-dns-discovery")
@@ -448,13 +464,18 @@ def dns_entries(ips: Iterable[str], *, config: DiscoveryConfig) -> list[Stargate
     return _sorted_entries(entries)
 
 
-def peer_entries(config: DiscoveryConfig) -> list[StargateInfo]:
+def peer_entries(
+    config: DiscoveryConfig, *, absent: AbstractSet[str] = frozenset()
+) -> list[StargateInfo]:
     """Entries for the static `--peer` list, self included (see `_merge_peers` for the rules).
 
-    Peers get no HTTP address (trap 26); a peer without an explicit id uses its address.
+    Peers get no HTTP address (trap 26); a peer without an explicit id uses its address. Peers
+    whose address is in `absent` (failing their health checks) are left out; self never is.
     """
     entries = [config.self_entry]
     for address, peer_id in _merge_peers(config).items():
+        if address in absent:
+            continue
         entries.append(StargateInfo(stargate_id=peer_id or address, advertise_addr=address))
     return _sorted_entries(entries)
 
@@ -527,10 +548,21 @@ class WatchPublisher:
         resolver: Resolver = resolve_ips,
         *,
         resolve_timeout_ms: int = DEFAULT_RESOLVE_TIMEOUT_MS,
+        peer_checker: PeerChecker = grpc_health_check,
+        peer_check_timeout_ms: int = DEFAULT_PEER_CHECK_TIMEOUT_MS,
     ) -> None:
         if resolve_timeout_ms <= 0:
             raise ValueError("DNS resolve timeout must be greater than 0")
         self._config = config
+        self._peer_health: PeerHealthMonitor | None = None
+        if config.mode is DiscoveryMode.PEERS and config.peer_absent_after_ms > 0:
+            self._peer_health = PeerHealthMonitor(
+                _merge_peers(config),
+                absent_after_ms=config.peer_absent_after_ms,
+                interval_ms=config.dns_poll_ms,
+                checker=peer_checker,
+                check_timeout_ms=peer_check_timeout_ms,
+            )
         self._resolver = resolver
         self._resolve_timeout_s = resolve_timeout_ms / 1000
         self._remote_urls = normalize_remote_urls(
@@ -568,6 +600,11 @@ class WatchPublisher:
     def current(self) -> WatchSnapshot | None:
         """The latest published snapshot; None before the first discovery result."""
         return self._snapshot
+
+    @property
+    def peer_health(self) -> PeerHealthMonitor | None:
+        """The static peers' health checks; None unless `peer_absent_after_ms` > 0 with peers."""
+        return self._peer_health
 
     def subscribe(self) -> WatchSubscription:
         """A new subscription: `async for snapshot in publisher.subscribe(): ...`.
@@ -607,7 +644,10 @@ class WatchPublisher:
         """One discovery round, without publishing."""
         config = self._config
         if config.mode is DiscoveryMode.PEERS:
-            entries = peer_entries(config)
+            health = self._peer_health
+            entries = peer_entries(
+                config, absent=frozenset() if health is None else health.absent()
+            )
         elif config.mode is DiscoveryMode.DNS:
             entries = await self._dns_round()
         else:
@@ -666,7 +706,17 @@ class WatchPublisher:
                 config.dns_poll_ms,
             )
         elif config.mode is DiscoveryMode.PEERS:
-            log.info("WatchStargates discovery: %d static peer(s)", len(config.peers))
+            peers = len(_merge_peers(config))  # this replica, if listed, is not a peer
+            if self._peer_health is not None:
+                log.info(
+                    "WatchStargates discovery: %d static peer(s), health-checked every %d ms, "
+                    "left out after %d ms without an answer",
+                    peers,
+                    config.dns_poll_ms,
+                    config.peer_absent_after_ms,
+                )
+            else:
+                log.info("WatchStargates discovery: %d static peer(s)", peers)
         elif config.implicit_self_only:
             log.warning(
                 "WatchStargates publishes only this replica: neither "
@@ -683,7 +733,8 @@ class WatchPublisher:
         publication, so `await nursery.start(publisher.run)` returns with `current()` set and the
         first message every stream sends is a real discovery result (trap 16). Later polls run
         every `dns_poll_ms`; a snapshot is published when it changed or when `watch_heartbeat_ms`
-        has passed since the last publication (measured in whole poll ticks).
+        has passed since the last publication (measured in whole poll ticks). Static peers' health
+        checks, when enabled, run alongside; each poll reads which peers are absent.
         """
         if self._ran:
             raise RuntimeError("a WatchPublisher can run only once")
@@ -698,27 +749,30 @@ class WatchPublisher:
         try:
             with trio.CancelScope() as scope:
                 self._run_scope = scope
-                origin = trio.current_time()
-                tick = 0
-                published_tick: int | None = None
-                while True:
-                    snapshot = await self.poll()
-                    since = None if published_tick is None else (tick - published_tick)
-                    if should_publish(
-                        self._snapshot,
-                        snapshot,
-                        since_last_ms=None if since is None else since * config.dns_poll_ms,
-                        heartbeat_ms=config.watch_heartbeat_ms,
-                    ):
-                        self._publish(snapshot)
-                        published_tick = tick
-                    if not started:
-                        started = True
-                        task_status.started()
-                    tick = next_tick(
-                        tick, elapsed_s=trio.current_time() - origin, interval_s=interval_s
-                    )
-                    await trio.sleep_until(origin + tick * interval_s)
+                async with trio.open_nursery() as nursery:
+                    if self._peer_health is not None:
+                        nursery.start_soon(self._peer_health.run)
+                    origin = trio.current_time()
+                    tick = 0
+                    published_tick: int | None = None
+                    while True:
+                        snapshot = await self.poll()
+                        since = None if published_tick is None else (tick - published_tick)
+                        if should_publish(
+                            self._snapshot,
+                            snapshot,
+                            since_last_ms=None if since is None else since * config.dns_poll_ms,
+                            heartbeat_ms=config.watch_heartbeat_ms,
+                        ):
+                            self._publish(snapshot)
+                            published_tick = tick
+                        if not started:
+                            started = True
+                            task_status.started()
+                        tick = next_tick(
+                            tick, elapsed_s=trio.current_time() - origin, interval_s=interval_s
+                        )
+                        await trio.sleep_until(origin + tick * interval_s)
         finally:
             self._run_scope = None
             self._stopped = True

@@ -150,6 +150,7 @@ truthiness, decides: 0, false and "" are rendered.
 {{- $flags := list
   (list "peer" "--peer" "list")
   (list "disableDnsDiscovery" "--disable-dns-discovery" "switch")
+  (list "peerAbsentAfterMs" "--peer-absent-after-ms" "value")
   (list "dnsPollMs" "--dns-poll-ms" "value")
   (list "watchHeartbeatMs" "--watch-heartbeat-ms" "value")
   (list "remoteStargateUrl" "--remote-stargate-url" "list")
