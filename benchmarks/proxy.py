@@ -294,7 +294,7 @@ async def noop_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def serve_noop() -> None:
     """Serve `noop_app` with the replica's own Hypercorn-trio setup on a free loopback port."""
     from stargate.config import ListenAddress
-    from stargate.runtime import _hypercorn_config, bind_listener, serve_asgi
+    from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 
     sock = bind_listener("no-op", ListenAddress("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -302,7 +302,7 @@ def serve_noop() -> None:
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(
-                serve_asgi, noop_app, sock, _hypercorn_config(1.0), trio.sleep_forever
+                serve_asgi, noop_app, sock, hypercorn_config(1.0), trio.sleep_forever
             )
             print(f"listening on http://127.0.0.1:{port}", flush=True)
 

@@ -1,10 +1,10 @@
 """Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down, or that keep
 connections open after HTTP says they end.
 
-`apply()` installs the first six once, when the runtime module is imported; the last one wraps each
-served app (`complete_response_before_disconnect`, applied by `runtime.serve_asgi`). Each fix is
-small, targeted at one upstream issue, and covered by a test that fails without it. What a client
-can expect as a result is in docs/http-serving.md.
+`apply()` installs the first six once, when `stargate/serving.py` is imported; the last one wraps
+each served app (`complete_response_before_disconnect`, applied by `serving.serve_asgi`). Each
+fix is small, targeted at one upstream issue, and covered by a test that fails without it. What a
+client can expect as a result is in docs/http-serving.md.
 
 * pgjones/hypercorn#329: when HTTP/2 DATA arrives for a stream whose response is already complete,
   `H2Protocol._handle_events` raises `KeyError` in the connection task, and on the trio worker

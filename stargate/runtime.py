@@ -27,9 +27,6 @@ from typing import Any, cast
 import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
-from hypercorn.trio.run import worker_serve
-from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
 from stargate import __version__, hypercorn_fixes
@@ -92,23 +89,22 @@ from stargate.proxy.upstream import UpstreamPool
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 from stargate.routing.lb_config import LbConfig, LbConfigError, default_lb_config, load_lb_config
+from stargate.serving import (
+    SHUTDOWN_SIGNALS,
+    ASGIApp,
+    StartupError,
+    bind_all,
+    bound_address,
+    hypercorn_config,
+    serve_asgi,
+    watch_signals,
+)
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
 
 log = logging.getLogger(__name__)
 
-hypercorn_fixes.apply()
-
-LISTEN_BACKLOG = 1024
 STOP_POOL_MEMBERS_SECONDS = 15.0
-# Requests one client connection may carry before it is rotated (HTTP/2 GOAWAY, HTTP/1.1
-# `Connection: close`), on every listener but the control plane's (docs/http-serving.md).
-MAX_REQUESTS_PER_CONNECTION = 10_000
-UNLIMITED_REQUESTS_PER_CONNECTION = 2**31
-
-
-class StartupError(RuntimeError):
-    """The replica cannot start (for example a listener cannot bind); the message says which."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,80 +115,6 @@ class BoundAddresses:
     grpc: ListenAddress
     model_discovery: ListenAddress
     metrics: ListenAddress
-
-
-def bind_listener(name: str, address: ListenAddress) -> socket.socket:
-    """Bind and listen on `address`, or raise `StartupError` naming the listener."""
-    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address.host, address.port))
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as error:
-        sock.close()
-        reason = error.strerror or str(error)
-        raise StartupError(f"failed to bind {name} listener on {address}: {reason}") from error
-    sock.setblocking(False)
-    return sock
-
-
-def _bound_address(sock: socket.socket) -> ListenAddress:
-    host, port = sock.getsockname()[:2]
-    return ListenAddress(host, port)
-
-
-def _hypercorn_config(
-    graceful_timeout: float, *, rotate_connections: bool = False
-) -> HypercornConfig:
-    """Hypercorn's settings for one listener.
-
-    `rotate_connections`: after `MAX_REQUESTS_PER_CONNECTION` requests an HTTP/2 connection gets
-    GOAWAY (its streams in flight finish; the client reconnects) and an HTTP/1.1 one gets
-    `Connection: close`. Off for the control-plane listener, whose Pylon channels carry
-    registration streams for the life of the Pylon, and by default (docs/http-serving.md).
-    """
-    config = HypercornConfig()
-    # Our own drain deadline decides when in-flight work is cut; Hypercorn's must not fire first.
-    config.graceful_timeout = graceful_timeout
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_max_requests = (
-        MAX_REQUESTS_PER_CONNECTION if rotate_connections else UNLIMITED_REQUESTS_PER_CONNECTION
-    )
-    return config
-
-
-ASGIApp = Callable[..., Awaitable[None]]
-
-
-async def serve_asgi(
-    app: ASGIApp,
-    sock: socket.socket,
-    config: HypercornConfig,
-    shutdown_trigger: Callable[[], Awaitable[Any]],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve `app` on an already-bound socket with Hypercorn's trio worker, in this task.
-
-    Returns after `shutdown_trigger` returns and every open connection has finished. The app is
-    wrapped so Hypercorn completes each response (closing the connection, or starting its
-    keep-alive idle timer) before the app hears `http.disconnect` (docs/http-serving.md).
-    """
-
-    class _Started:
-        def started(self, value: object = None) -> None:
-            task_status.started()
-
-    served: ASGIApp = hypercorn_fixes.complete_response_before_disconnect(app)
-    await worker_serve(
-        wrap_app(served, config.wsgi_max_body_size, "asgi"),
-        config,
-        sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
-        shutdown_trigger=shutdown_trigger,
-        task_status=_Started(),
-    )
 
 
 class Replica:
@@ -347,7 +269,7 @@ class Replica:
         """
         config = self.config
         log.info("starting stargate version=%s %s", __version__, describe(config))
-        sockets = _bind_all(
+        sockets = bind_all(
             [
                 ("HTTP", config.http_listen_addr),
                 ("gRPC", config.listen_addr),
@@ -356,7 +278,7 @@ class Replica:
             ]
         )
         http_sock, grpc_sock, discovery_sock, metrics_sock = sockets
-        self.bound = bound = BoundAddresses(*(_bound_address(sock) for sock in sockets))
+        self.bound = bound = BoundAddresses(*(bound_address(sock) for sock in sockets))
         try:
             self.publisher = WatchPublisher(_discovery_config(config, bound))
         except ConfigError as error:
@@ -377,6 +299,7 @@ class Replica:
                 "(set --registration-token-file or --worker-auth-endpoint)"
             )
         max_bytes = config.control_plane.grpc_max_message_bytes
+        # Our drain deadline decides when in-flight work is cut; Hypercorn's must not fire first.
         graceful = config.shutdown_drain_timeout_seconds + 1.0
 
         try:
@@ -405,7 +328,7 @@ class Replica:
                     fallback=cast(ASGIApp, self.http_app),
                     activator=self.activator,
                 )
-                listener_config = functools.partial(_hypercorn_config, graceful)
+                listener_config = functools.partial(hypercorn_config, graceful)
                 servers: list[tuple[str, ASGIApp, socket.socket, HypercornConfig]] = [
                     ("HTTP server", proxy_app, http_sock, listener_config(rotate_connections=True)),
                     (
@@ -434,15 +357,15 @@ class Replica:
                         listener_config(rotate_connections=True),
                     ),
                 ]
-                for name, app, sock, hypercorn_config in servers:
-                    self._listener_configs.append(hypercorn_config)
+                for name, app, sock, server_config in servers:
+                    self._listener_configs.append(server_config)
                     if self._leaving:  # a signal came during start-up
-                        hypercorn_fixes.leave(hypercorn_config)
+                        hypercorn_fixes.leave(server_config)
                     serve = functools.partial(
                         serve_asgi,
                         self._in_flight.track(app),
                         sock,
-                        hypercorn_config,
+                        server_config,
                         self._shutdown_started.wait,
                     )
                     await services.start(self._critical, name, serve)
@@ -619,19 +542,6 @@ class Replica:
         }
 
 
-def _bind_all(listeners: list[tuple[str, ListenAddress]]) -> list[socket.socket]:
-    """Bind every listener or none: on a failure the ones already bound are closed."""
-    bound: list[socket.socket] = []
-    try:
-        for name, address in listeners:
-            bound.append(bind_listener(name, address))
-    except StartupError:
-        for sock in bound:
-            sock.close()
-        raise
-    return bound
-
-
 def _pool_config(settings: PoolSettings) -> PoolsConfig | None:
     """The pool file, validated at construction so a bad file fails before anything binds."""
     if settings.pool_config_path is None:
@@ -712,15 +622,18 @@ def describe(config: object) -> str:
 
 async def _watch_signals(signals: AsyncIterator[int], replica: Replica) -> None:
     """SIGTERM (an orchestrator) leaves then drains; SIGINT (a person at a terminal) drains at
-    once; a second signal of either kind forces exit 1."""
-    async for signum in signals:
-        name = signal.Signals(signum).name
-        if not replica.shutting_down:
-            log.info("received %s, beginning graceful shutdown", name)
-            replica.begin_shutdown(leave=signum != signal.SIGINT)
-        else:
-            log.warning("received %s during shutdown", name)
-            replica.force_exit()
+    once; a second signal of either kind, or any signal once the replica is already shutting
+    down (a critical task failed), forces exit 1."""
+
+    def begin(sig: signal.Signals) -> None:
+        log.info("received %s, beginning graceful shutdown", sig.name)
+        replica.begin_shutdown(leave=sig != signal.SIGINT)
+
+    def force(sig: signal.Signals) -> None:
+        log.warning("received %s during shutdown", sig.name)
+        replica.force_exit()
+
+    await watch_signals(signals, begin, force, stopping=lambda: replica.shutting_down)
 
 
 async def _main(config: ServeConfig) -> int:
@@ -730,7 +643,7 @@ async def _main(config: ServeConfig) -> int:
         log.error("%s", error)
         return 1
     code = 1
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, replica)

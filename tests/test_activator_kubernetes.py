@@ -34,7 +34,7 @@ from stargate.activator.kubernetes import (
     load_api_config,
 )
 from stargate.config import ListenAddress
-from stargate.runtime import bind_listener, serve_asgi
+from stargate.serving import bind_listener, serve_asgi
 
 NS = "models"
 TOKEN = "s3cr3t-token"

@@ -57,7 +57,7 @@ from stargate.control_plane.services import control_plane_app, model_discovery_a
 from stargate.protocol import stargate_pb2 as pb
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState
-from stargate.runtime import bind_listener, serve_asgi
+from stargate.serving import bind_listener, serve_asgi
 from tests.conftest import Ports, StargateProcess, launch, stop, wait_until
 
 CONTROL_PLANE = "stargate.StargateControlPlane"

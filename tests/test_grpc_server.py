@@ -44,7 +44,7 @@ from stargate.control_plane.grpc import (
 )
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from stargate.runtime import bind_listener, serve_asgi
+from stargate.serving import bind_listener, serve_asgi
 
 REGISTER = "/stargate.StargateControlPlane/RegisterInferenceServer"
 WATCH = "/stargate.StargateControlPlane/WatchStargates"

@@ -38,7 +38,7 @@ from stargate.config import ListenAddress
 from stargate.control_plane.grpc import GrpcApp, RpcContext, unary_unary
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from stargate.runtime import _hypercorn_config, bind_listener, serve_asgi
+from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 from tests.conftest import Ports, StargateProcess, wait_until
 
 REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
@@ -378,7 +378,7 @@ async def serving(app: Any, config: HypercornConfig | None = None) -> AsyncItera
     port: int = sock.getsockname()[1]
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve_asgi, app, sock, config or _hypercorn_config(2.0), stop.wait)
+        await nursery.start(serve_asgi, app, sock, config or hypercorn_config(2.0), stop.wait)
         try:
             yield port
         finally:
@@ -433,7 +433,7 @@ async def test_a_full_priority_tree_refuses_the_stream() -> None:
 
 async def test_rotation_sends_goaway_and_finishes_the_streams_in_flight() -> None:
     app = HoldingApp()
-    config = _hypercorn_config(2.0, rotate_connections=True)
+    config = hypercorn_config(2.0, rotate_connections=True)
     config.keep_alive_max_requests = 3
 
     def client(port: int) -> None:
@@ -479,7 +479,7 @@ async def test_grpcio_reconnects_transparently_after_goaway() -> None:
             clients.add(scope["client"])
         await discovery(scope, receive, send)
 
-    config = _hypercorn_config(2.0, rotate_connections=True)
+    config = hypercorn_config(2.0, rotate_connections=True)
     config.keep_alive_max_requests = 5
 
     def calls(port: int) -> list[grpc.StatusCode]:

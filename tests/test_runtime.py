@@ -20,6 +20,7 @@ from quart import Response
 from stargate import runtime
 from stargate.config import ListenAddress, ServeConfig, WarmupConfig
 from stargate.runtime import BoundAddresses, Replica
+from stargate.serving import StartupError
 
 CHUNKS = 5
 CHUNK_GAP = 0.1
@@ -171,7 +172,7 @@ async def test_run_refuses_an_occupied_port_before_serving() -> None:
         blocker.listen()
         port = blocker.getsockname()[1]
         replica = Replica(_config(http_listen_addr=ListenAddress("127.0.0.1", port)))
-        with pytest.raises(runtime.StartupError, match=f"HTTP listener on 127.0.0.1:{port}"):
+        with pytest.raises(StartupError, match=f"HTTP listener on 127.0.0.1:{port}"):
             await replica.run()
 
 

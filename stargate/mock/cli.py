@@ -1,10 +1,10 @@
 """`stargate mock-backend`: run the mock OpenAI-compatible inference server.
 
 `run_mock_backend` serves one `MockBackend` with Hypercorn's trio worker on a pre-bound socket
-(the same machinery as the replica's listeners); `mock_backend_command` is the click command the
-main `stargate` group registers. SIGTERM or SIGINT stops accepting connections and lets in-flight
-requests finish (for at most `SHUTDOWN_GRACE_SECONDS`); a second signal exits at once. Both exit 0.
-"""
+(`stargate/serving.py`, the same machinery as the replica's listeners); `mock_backend_command` is
+the click command the main `stargate` group registers. SIGTERM or SIGINT stops accepting
+connections and lets in-flight requests finish (for at most `SHUTDOWN_GRACE_SECONDS`); a second
+signal exits at once. Both exit 0."""
 
 from __future__ import annotations
 
@@ -52,16 +52,16 @@ async def run_mock_backend(
     With `shutdown_trigger`, returning from it starts a graceful stop: no new connections,
     in-flight requests get `SHUTDOWN_GRACE_SECONDS` to finish. `app` lets a caller keep a handle
     on the served `MockBackend` (one is created from `config` otherwise). Raises
-    `stargate.runtime.StartupError` if the address cannot be bound.
+    `stargate.serving.StartupError` if the address cannot be bound.
     """
-    # Imported here so that `stargate --help` does not pay for the replica's imports.
-    from stargate.runtime import _hypercorn_config, bind_listener, serve_asgi
+    # Imported here so that `stargate --help` does not pay for Hypercorn's imports.
+    from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 
     backend = app if app is not None else MockBackend(config)
     sock = bind_listener("mock backend", ListenAddress(config.host, config.port))
     try:
         port: int = sock.getsockname()[1]
-        server_config = _hypercorn_config(SHUTDOWN_GRACE_SECONDS)
+        server_config = hypercorn_config(SHUTDOWN_GRACE_SECONDS)
         server_config.errorlog = _server_error_log()
         trigger = shutdown_trigger if shutdown_trigger is not None else trio.sleep_forever
         async with trio.open_nursery() as nursery:
@@ -75,23 +75,26 @@ async def run_mock_backend(
 async def _watch_signals(
     signals: AsyncIterator[int], stop: trio.Event, cancel_scope: trio.CancelScope
 ) -> None:
-    async for signum in signals:
-        name = signal.Signals(signum).name
-        if not stop.is_set():
-            log.info("received %s, finishing in-flight requests", name)
-            stop.set()
-        else:
-            log.info("received %s again, exiting now", name)
-            cancel_scope.cancel()
-            return
+    """The first signal stops accepting and lets in-flight requests finish; a second exits now."""
+    from stargate.serving import watch_signals
+
+    def finish(sig: signal.Signals) -> None:
+        log.info("received %s, finishing in-flight requests", sig.name)
+        stop.set()
+
+    def exit_now(sig: signal.Signals) -> None:
+        log.info("received %s again, exiting now", sig.name)
+        cancel_scope.cancel()
+
+    await watch_signals(signals, finish, exit_now)
 
 
 async def _serve_until_signalled(config: MockBackendConfig) -> int:
-    from stargate.runtime import StartupError
+    from stargate.serving import SHUTDOWN_SIGNALS, StartupError
 
     stop = trio.Event()
     code = 0
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, stop, nursery.cancel_scope)

@@ -69,14 +69,21 @@ def _health_paths(
 
 
 async def _watch_signals(signals: AsyncIterator[int], cancel_scope: trio.CancelScope) -> None:
-    async for signum in signals:
-        log.info("received %s, closing registrations", signal.Signals(signum).name)
+    """The first signal ends the Pylon (its registration streams close as the scope cancels)."""
+    from stargate.serving import watch_signals
+
+    def close_registrations(sig: signal.Signals) -> None:
+        log.info("received %s, closing registrations", sig.name)
         cancel_scope.cancel()
-        return
+
+    await watch_signals(signals, close_registrations)
 
 
 async def _main(config: PylonConfig) -> int:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    # Imported here so that `stargate --help` does not pay for Hypercorn's imports.
+    from stargate.serving import SHUTDOWN_SIGNALS
+
+    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, signals, nursery.cancel_scope)
             await run_pylon(config)
