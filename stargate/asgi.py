@@ -21,7 +21,8 @@ async def answer_lifespan(
 ) -> None:
     """Complete the ASGI lifespan protocol for an app with nothing to start or stop.
 
-    Hypercorn's trio worker fails at start-up on an app that ignores lifespan (stack-notes P9).
+    Hypercorn's trio worker fails at start-up on an app that ignores lifespan (docs/decisions.md,
+    H4).
     """
     while True:
         message = await receive()

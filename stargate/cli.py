@@ -114,7 +114,7 @@ def listener_options(env_prefix: str, host: str) -> Callable[[F], F]:
 
 
 def warmup_options(env_prefix: str) -> Callable[[F], F]:
-    """The three readiness-warmup flags of spec decision 2."""
+    """The three readiness-warmup flags (docs/decisions.md, D2)."""
     return _together(
         option(
             "--readiness-warmup-ms",

@@ -87,7 +87,7 @@ with a margin for a loaded node."""
 
 @dataclass(frozen=True, slots=True)
 class WarmupConfig:
-    """How `/readyz` warms up (decision 2 of the spec).
+    """How `/readyz` warms up (docs/decisions.md, D2).
 
     `warmup_ms == 0` means ready at start with no sampler. Otherwise a sampler reads the total
     active backend count every `sample_interval_ms` and promotes once the last
@@ -130,7 +130,7 @@ class WarmupConfig:
 
 @dataclass(frozen=True, slots=True)
 class DiscoverySettings:
-    """How `WatchStargates` finds this replica's peers (control-plane spec §2.10).
+    """How `WatchStargates` finds this replica's peers (docs/control-plane.md, WatchStargates).
 
     Modes: a DNS name polled every `dns_poll_ms` (in Kubernetes, the headless Service), a static
     `peers` list, or this replica alone (`disable_dns_discovery`, or neither of the others set).

@@ -31,9 +31,9 @@ def create_http_app(
 ) -> QuartTrio:
     """Build the QuartTrio app for one replica.
 
-    `debug_config` supplies the `config` object of `/debug/state` (it includes addresses known
-    only once the listeners are bound). `RESPONSE_TIMEOUT` is disabled: Quart's default (60 s)
-    applies to the whole streamed body and would cut long completions mid-stream (stack-notes P2).
+    `debug_config` supplies the `config` object of `/debug/state` (it includes addresses known only
+    once the listeners are bound). `RESPONSE_TIMEOUT` is disabled: Quart's default (60 s) applies to
+    the whole streamed body and would cut long completions mid-stream (docs/decisions.md, H2).
     """
     app = QuartTrio("stargate")
     app.config["RESPONSE_TIMEOUT"] = None
@@ -71,7 +71,8 @@ def create_http_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response | tuple[dict[str, Any], int]:
-        """Unkeyed models with an active backend (the HTTP mirror of ListModels, spec §1.4).
+        """Unkeyed models with an active backend (the HTTP mirror of ListModels,
+        docs/control-plane.md, ListModels).
 
         A hint, not a promise: a listed model may be gone by the next request.
         """

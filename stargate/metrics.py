@@ -54,7 +54,7 @@ READINESS_REASONS = ("stabilized", "deadline", "disabled", "shutdown")
 
 @dataclass(frozen=True, slots=True)
 class ReadinessMetrics:
-    """The readiness warmup's series (spec decision 2; the Rust PRs added none)."""
+    """The readiness warmup's series (docs/decisions.md, D2; the Rust PRs added none)."""
 
     ready: Gauge
     warmup_promotions: Counter
@@ -125,7 +125,7 @@ REPLAY_BUCKETS = tuple(
 
 @dataclass(frozen=True, slots=True)
 class ProxyMetrics:
-    """The data plane's series (control-plane spec §5, data-plane spec §3.10)."""
+    """The data plane's series (docs/data-plane.md, Metrics)."""
 
     requests: Counter
     responses: Counter
@@ -504,7 +504,7 @@ def metrics_asgi_app(
     """A minimal ASGI app serving `GET /metrics` from `registry`, and nothing else.
 
     It answers the lifespan protocol itself: Hypercorn's trio worker fails at start-up on an app
-    that ignores lifespan (stack-notes P9), which `prometheus_client.make_asgi_app` does.
+    that ignores lifespan (docs/decisions.md, H4), which `prometheus_client.make_asgi_app` does.
 
     The exposition is rendered in a worker thread: with many backends it takes tens of ms of pure
     Python, which on the trio thread would stall every request and registration stream for that

@@ -2,7 +2,7 @@
 
 The readiness sampler (`stargate.readiness`) owns time and the routing state; this module only
 answers "given that it is now `now` and the backend count reads `n`, is warmup over, and why?".
-Keeping it pure lets the rules of spec decision 2 be tested exhaustively without a running loop:
+Keeping it pure lets the rules of docs/decisions.md, D2 be tested exhaustively without a loop:
 
 * the first sample is taken one interval after warmup starts;
 * on every wake-up the deadline is checked first, and reaching it promotes even with zero

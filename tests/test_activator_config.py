@@ -252,7 +252,7 @@ def test_optional_values() -> None:
     pool.update(swapBudget=0, holdBudget="1m", maxHeld=5, activation=None)
     pool["controller"]["members"]["model-a"].update(healthPath="/v1/models", startupTimeout=30)
     parsed = parse_pool_config(data).pools[0]
-    assert parsed.pool.swap_budget == 0.0  # 0: "use the fallbacks" (spec §6)
+    assert parsed.pool.swap_budget == 0.0  # 0: "use the fallbacks" (docs/activator.md)
     assert parsed.pool.hold_budget == 60.0
     assert parsed.pool.max_held == 5
     assert parsed.pool.default_mode == "wait"

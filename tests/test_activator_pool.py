@@ -1,4 +1,5 @@
-"""Activator scenarios of activator spec §7 (one test each) on the FakeController, virtual time.
+"""Activator scenarios of docs/activator.md, "Tests" (one test each) on the FakeController, virtual
+time.
 
 Pool `lab/heavy-slot` with members [judge, coder], as upstream. Every test runs on trio's
 `MockClock(autojump_threshold=0)`: sleeps cost no wall time.
@@ -264,10 +265,10 @@ async def test_if_idle_waits_on_in_flight_swap(autojump_clock: trio.testing.Mock
 
 
 async def test_stale_deactivate_window(autojump_clock: trio.testing.MockClock) -> None:
-    """Spec §7 test 12. FAILS if the re-check is removed from the deferred deactivate, i.e. if
-    `_deactivate_if_unwanted` in stargate/activator/pool.py patches without consulting
-    `deactivate_skip_reason` (the stale Deactivate lands: Deactivate(coder) is called once and
-    W2's swap never completes)."""
+    """docs/activator.md, Tests: the stale-deactivate window. FAILS if the re-check is removed from
+    the deferred deactivate, i.e. if `_deactivate_if_unwanted` in stargate/activator/pool.py patches
+    without consulting `deactivate_skip_reason` (the stale Deactivate lands: Deactivate(coder) is
+    called once and W2's swap never completes)."""
     windows: list[str] = []
     hook_done = trio.Event()
 
@@ -309,8 +310,8 @@ async def test_stale_deactivate_window(autojump_clock: trio.testing.MockClock) -
 async def test_abandoned_at_deadline(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Spec §7 test 13. FAILS if the swap runs without a deadline, i.e. if `_start_swap` in
-    stargate/activator/pool.py creates `trio.CancelScope()` instead of
+    """docs/activator.md, Tests: the abandoned swap. FAILS if the swap runs without a deadline, i.e.
+    if `_start_swap` in stargate/activator/pool.py creates `trio.CancelScope()` instead of
     `trio.CancelScope(deadline=deadline)`: the caller then burns its whole 2 s hold and gets
     `HoldTimeout`, and the pool stays in `swapping` until the last waiter leaves."""
     async with running_activator([spec(swap_budget=0.1)], ready=["judge"], router_name=ROUTER) as h:
@@ -351,9 +352,10 @@ async def test_abandoned_at_deadline(
 async def test_superseded_swap_does_not_clear_newer_swap(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Spec §7 test 14 (recommended). Unreachable through the public API here (a new swap only
-    starts after the old task cleared its own state), so the stale completion is driven directly:
-    a finished task of generation 1 must leave generation 2's state alone (fix F2)."""
+    """docs/activator.md, Tests: the superseded swap. Unreachable through the public API here (a new
+    swap only starts after the old task cleared its own state), so the stale completion is driven
+    directly: a finished task of generation 1 must leave generation 2's state alone
+    (docs/activator.md, F2)."""
     from stargate.activator.state import SwapOutcome, SwapState
 
     async with running_activator([SPEC], ready=["judge"]) as h:
@@ -379,7 +381,8 @@ async def test_superseded_swap_does_not_clear_newer_swap(
 async def test_cancelled_swap_is_quiet(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """F5: the last waiter leaving cancels the swap with no log, no counter and no swap error."""
+    """F5 (docs/activator.md): the last waiter leaving cancels the swap with no log, no counter and
+    no swap error."""
     async with running_activator([SPEC], ready=["judge"], router_name=ROUTER) as h:
         h.fake().activate_gate["coder"] = trio.Event()
         waiter = start_acquire(h, "coder")
@@ -405,7 +408,7 @@ async def test_cancelled_swap_is_quiet(
 
 
 async def test_swap_error_is_one_shot(autojump_clock: trio.testing.MockClock) -> None:
-    """§8.6: only the first waiter sees a failure; the others start a fresh swap."""
+    """docs/activator.md: only the first waiter sees a failure; the others start a fresh swap."""
     async with running_activator([spec(swap_budget=1.0)], ready=["judge"]) as h:
         h.fake().ready_delay["coder"] = None
         waiters = [start_acquire(h, "coder", hold_budget=1.5) for _ in range(2)]
@@ -502,7 +505,7 @@ async def test_deferred_deactivate_skips_when_member_became_resident(
 
         h.activator.before_deactivate = hook
         h.fake().ready_delay["coder"] = 1.0
-        # if_idle on a busy incumbent schedules a (harmless) deactivate (§8.11).
+        # if_idle on a busy incumbent schedules a (harmless) deactivate (docs/activator.md).
         busy = await h.activator.acquire("judge")
         with pytest.raises(IncumbentBusy):
             await h.activator.acquire("coder", "if_idle")

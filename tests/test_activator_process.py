@@ -1,4 +1,4 @@
-"""The `process` member controller (decision 7) with real engine processes on loopback.
+"""The `process` member controller (docs/decisions.md, D7) with real engine processes on loopback.
 
 Members are `stargate mock-backend` processes; the real clock runs throughout, so every wait is
 on an event (the routing state's count changes, fed to a `MemberReadiness`) under a bound.

@@ -52,7 +52,7 @@ def test_reconcile_resident() -> None:
     ready.update({"judge", "coder"})
     st.resident_checked_at = None
     assert reconcile_resident(st, ready.__contains__, 106.0, 5.0)
-    assert st.resident == "judge"  # declared order wins (§8.10)
+    assert st.resident == "judge"  # declared order wins (docs/activator.md)
     st.resident_checked_at = None
     st.swap = swap()
     assert not reconcile_resident(st, set().__contains__, 107.0, 5.0)  # the swap owns it

@@ -1,4 +1,4 @@
-"""Load balancers and scores (data-plane spec §2.2, §3.5, §3.6): pure functions, no I/O."""
+"""Load balancers and scores (docs/data-plane.md, Balancers): pure functions, no I/O."""
 
 from __future__ import annotations
 

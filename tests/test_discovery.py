@@ -255,7 +255,7 @@ def test_remote_urls_drop_this_replica_including_the_headless_variant() -> None:
             SELF,
             f"http://{SELF}",
             f"{DNS_NAME}:50071",
-            "stargate.llm.svc.cluster.local:50071",  # `-headless.` -> `.` (trap 17)
+            "stargate.llm.svc.cluster.local:50071",  # `-headless.` -> `.` (docs/control-plane.md)
             "STARGATE.llm.svc.cluster.local.:9999",  # any port, case, trailing dot
             "stargate.other.svc.cluster.local:50071",
             "10.0.0.2:50071",

@@ -48,7 +48,8 @@ async def test_readyz_is_200_when_warm_and_503_once_draining() -> None:
 async def test_long_streams_are_not_cut_by_quarts_response_timeout(
     autojump_clock: MockClock,
 ) -> None:
-    """Quart's default RESPONSE_TIMEOUT (60 s) would cut this 150 s stream (stack-notes P2)."""
+    """Quart's default RESPONSE_TIMEOUT (60 s) would cut this 150 s stream (docs/decisions.md,
+    H2)."""
     app = create_http_app(Readiness(WarmupConfig(warmup_ms=0)), RoutingState(), stargate_id="r1")
 
     @app.get("/slow-stream")

@@ -1,4 +1,4 @@
-"""The LB config file, x-routing-method resolution and LB instance lifetime (spec §3.2-§3.4)."""
+"""The LB config file, x-routing-method resolution and LB instance lifetime (docs/data-plane.md)."""
 
 from __future__ import annotations
 
@@ -551,7 +551,7 @@ def test_mismatch_is_reported_before_not_implemented() -> None:
     assert "does not match configured algorithm pulsar" in message
 
 
-# ---- resolution (§3.3) --------------------------------------------------------------------------
+# ---- resolution (docs/data-plane.md, Override resolution) ----------------------------------------
 
 RESOLUTION_CONFIG = {
     "default": "random",
@@ -750,7 +750,7 @@ def test_load_lb_config_prefixes_validation_errors_with_the_file(tmp_path: Path)
     )
 
 
-# ---- LB instances (§3.4) ------------------------------------------------------------------------
+# ---- LB instances (docs/data-plane.md, LB instances) ---------------------------------------------
 
 
 def candidates(*ids: str) -> list[ClusterSnapshot]:

@@ -1,6 +1,6 @@
 """Metric series follow the fleet: after backends come and go, `/metrics` shrinks back.
 
-A replica in this process (real loopback sockets, real clock: stack-notes P13) with a short
+A replica in this process (real loopback sockets, real clock: docs/decisions.md, H7) with a short
 series grace period, one `stargate mock-backend` process behind every registration, and real
 registration streams (grpcio, in worker threads so the replica's loop keeps serving them).
 """

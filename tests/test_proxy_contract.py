@@ -1,4 +1,4 @@
-"""The proxy request contract (data-plane spec §1.3, §2.8, §7): pure header validation."""
+"""The proxy request contract (docs/data-plane.md, Header contract): pure header validation."""
 
 from __future__ import annotations
 

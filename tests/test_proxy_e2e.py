@@ -106,7 +106,7 @@ def _post(
     )
 
 
-# ---- the error contract (§1.3, §1.6) ------------------------------------------------------------
+# ---- the error contract (docs/data-plane.md, Local answers) ------------------------------------
 
 
 @pytest.mark.parametrize("missing", ["x-request-id", "x-input-tokens", "x-model"])

@@ -1,4 +1,4 @@
-"""Optimistic reservations (control-plane spec §3.5, data-plane spec §2.3): the arithmetic applied
+"""Optimistic reservations (docs/data-plane.md, Reservations): the arithmetic applied
 on top of a cluster's aggregated stats, and when a reservation goes away."""
 
 from __future__ import annotations

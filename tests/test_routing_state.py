@@ -1,4 +1,5 @@
-"""The routing state (control-plane spec §3): registrations, targets, clusters and counts."""
+"""The routing state (docs/control-plane.md, Routing state): registrations, targets, clusters and
+counts."""
 
 from __future__ import annotations
 

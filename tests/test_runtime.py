@@ -1,4 +1,4 @@
-"""A replica in this process on real loopback sockets (real clock: stack-notes P13).
+"""A replica in this process on real loopback sockets (real clock: docs/decisions.md, H7).
 
 These cover the drain contract: in-flight streams finish, the drain deadline and a forced exit
 cut them and exit 1, and a server that ends on its own shuts the replica down with exit 1.

@@ -1,8 +1,9 @@
 """ModelPool activation: members of a pool share one exclusive slot, swapped on demand.
 
-A Python/trio replica of LLMKube's router-proxy activator with the #1837 fix (PR #1838); the
-README's "Model pools" section describes it. The proxy calls `Activator.acquire(model)` before
-dispatching to a pooled member and `Grant.release()` when the response body ends.
+A Python/trio replica of LLMKube's router-proxy activator with the #1837 fix (PR #1838,
+docs/activator.md); the README's "Model pools" section describes it. The proxy calls
+`Activator.acquire(model)` before dispatching to a pooled member and `Grant.release()` when the
+response body ends.
 """
 
 from stargate.activator.controller import FakeController, MemberController, PhaseReporter

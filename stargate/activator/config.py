@@ -1,14 +1,14 @@
-"""The activator's pool file (`--pool-config`, project decision 7): which models share a slot and
-which member controller swaps them.
+"""The activator's pool file (`--pool-config`, docs/decisions.md, D7): which models share a slot
+and which member controller swaps them.
 
 The file is YAML, read once at startup:
 
     pools:
       - name: gpu0
         members: [model-a, model-b]
-        swapBudget: 90s            # optional, default 300s (the CRD default, spec §6)
+        swapBudget: 90s            # optional, default 300s (the CRD default)
         activation: wait           # optional: wait | Wait | ifIdle | IfIdle, default wait
-        holdBudget: 60s            # optional, default: the swap budget (spec §2.10)
+        holdBudget: 60s            # optional, default: the swap budget
         maxHeld: 1000              # optional, > 0
         controller:
           kind: process            # process | kubernetes | fake
@@ -23,9 +23,9 @@ cross-reference error fails startup, and every message starts with the key path 
 PyYAML would otherwise keep the last one without a word.
 
 Durations are Go-style strings (`90s`, `1h30m`, `500ms`) as in LLMKube's CRDs, or bare numbers of
-seconds. Unlike the Go wire config (spec §8.21) nothing here is in nanoseconds. A swap or hold
-budget of 0 means "use the fallbacks" (spec §6, §2.10); negative durations are rejected rather
-than silently meaning the same thing. An explicit `null` for an optional key means "not set".
+seconds. Unlike the Go wire config nothing here is in nanoseconds. A swap or hold budget of 0 means
+"use the fallbacks" (docs/activator.md, Budgets); negative durations are rejected rather than
+silently meaning the same thing. An explicit `null` for an optional key means "not set".
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ __all__ = [
 ControllerKind: TypeAlias = Literal["process", "kubernetes", "fake"]
 
 DEFAULT_SWAP_BUDGET: Final = 300.0
-"""The CRD default for `swapBudget` (spec §6), used when the key is absent."""
+"""The CRD default for `swapBudget` (docs/activator.md, Budgets), used when the key is absent."""
 
 DEFAULT_HEALTH_PATH: Final = "/health"
 
@@ -130,7 +130,8 @@ def parse_duration(text: str) -> float:
 
     Go syntax because the pool fields mirror LLMKube's CRD durations, so values can be copied
     across unchanged. Arithmetic is exact (`Fraction`) so `1h30m` is exactly 5400.0. Zero is
-    allowed (`0`, `0s`): it means "use the fallbacks" for a swap or hold budget (spec §6).
+    allowed (`0`, `0s`): it means "use the fallbacks" for a swap or hold budget
+    (docs/activator.md, Budgets).
     Negative, blank and malformed values raise `ValueError`.
     """
     value = text.strip()

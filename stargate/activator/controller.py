@@ -1,14 +1,14 @@
 """The member-controller boundary, and a scriptable in-memory fake for tests.
 
 A controller owns one pool. The activator calls it with no retries and returns its errors as-is
-(activator spec §1):
+(docs/activator.md, Controllers):
 
 * `activate(member)`: make `member` the pool's desired owner (upstream: scale to 1). Must be
   idempotent. Slot exclusivity is the controller's job, as it is LLMKube's operator's: it unloads
   the incumbent before the member starts. The activator guarantees the incumbent is idle (drain
   before swap) and that no request is granted on any member while a swap runs. Readiness is not
-  reported here: the member becomes Ready when its backend registers (decision 7), which the
-  activator watches through its `ReadinessSource`.
+  reported here: the member becomes Ready when its backend registers (docs/decisions.md, D7), which
+  the activator watches through its `ReadinessSource`.
 * `deactivate(member)`: cancel a pending activation (scale to 0). An already-stopped member is a
   no-op. The activator calls it under the pool lock with a timeout; a timed-out call must be
   treated as possibly applied.
@@ -48,7 +48,8 @@ ControllerCall = tuple[str, str]  # (method, member)
 class FakeController:
     """An in-memory pool of members with replicas, scriptable per member.
 
-    Models LLMKube's operator closely enough for the #1837 tests (spec §7 test 12):
+    Models LLMKube's operator closely enough for the #1837 tests (docs/activator.md,
+    Tests: the stale-deactivate window):
 
     * `activate` is idempotent *by check*: at replicas >= 1 it does nothing (never re-asserts);
       otherwise it sets replicas to 1 and, after `ready_delay[member]` seconds (None: never),

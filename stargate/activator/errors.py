@@ -1,8 +1,8 @@
 """The typed errors `Activator.acquire` raises, each with the HTTP mapping the proxy will use.
 
-Upstream (LLMKube router-proxy) maps its sentinels in the proxy handler (activator spec §2.9); here
-each error carries its own `status`, `code` and `retry_after` so the proxy integration only reads
-them. Only `HoldTimeout`, `IncumbentBusy` and `PoolQueueFull` are retryable (Retry-After: 5).
+Upstream (LLMKube router-proxy) maps its sentinels in the proxy handler (docs/activator.md, Errors);
+here each error carries its own `status`, `code` and `retry_after` so the proxy integration only
+reads them. Only `HoldTimeout`, `IncumbentBusy` and `PoolQueueFull` are retryable (Retry-After: 5).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The Kubernetes member controller: a pool member is a workload whose replicas we flip 0 <-> 1.
 
-Decision 7: a member is a Deployment or StatefulSet, scaled through its `scale` subresource, or a
-custom resource with `spec.replicas` (an LLMKube InferenceService), merge-patched directly.
-Activator spec §3 describes upstream's controller; this one keeps its shape:
+docs/decisions.md, D7: a member is a Deployment or StatefulSet, scaled through its `scale`
+subresource, or a custom resource with `spec.replicas` (an LLMKube InferenceService), merge-patched
+directly. docs/activator.md, "Controllers" describes upstream's controller; this one keeps its
+shape:
 
 * every call is a live, uncached API request (no informer, no watch): the activator's residency
   belief is re-verified elsewhere, and a cache would only add staleness;
@@ -374,9 +375,9 @@ def _data(section: Mapping[str, Any], key: str, where: str) -> bytes | None:
 class KubernetesController:
     """Scale a pool's members between 0 and 1 replicas (the `MemberController` protocol).
 
-    Every API request is bounded by `request_timeout` (upstream has no bound; spec §8.14): a
-    timed-out PATCH raises `KubernetesError` and must be treated as possibly applied, which the
-    activator does. Pass `client` to share a connection pool (tests pass one for plain HTTP);
+    Every API request is bounded by `request_timeout` (upstream has no bound; docs/decisions.md,
+    D16): a timed-out PATCH raises `KubernetesError` and must be treated as possibly applied, which
+    the activator does. Pass `client` to share a connection pool (tests pass one for plain HTTP);
     otherwise the controller makes its own from `api` and `aclose()` closes it.
     """
 

@@ -1,9 +1,10 @@
-"""The activator's Prometheus series, under LLMKube's `llmkube_modelpool_*` names (decision 7), so
-existing ModelPool dashboards work. Defined on a registry passed in; label names alphabetical.
+"""The activator's Prometheus series, under LLMKube's `llmkube_modelpool_*` names
+(docs/decisions.md, D7), so existing ModelPool dashboards work. Defined on a registry passed in;
+label names alphabetical.
 
-Label sets follow activator spec §5 (`resident` is labelled by namespace, not router). Bucket
-deviation: upstream's swap-duration buckets stop at 512 s and hold-duration buckets at 204.8 s,
-below the default 300 s swap budget (§8.19); the same buckets are kept and extended to 1200 s.
+Label sets follow docs/activator.md, "Metrics" (`resident` is labelled by namespace, not router).
+Bucket deviation: upstream's swap-duration buckets stop at 512 s and hold-duration buckets at
+204.8 s, below the default 300 s swap budget; the same buckets are kept and extended to 1200 s.
 """
 
 from __future__ import annotations

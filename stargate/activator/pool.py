@@ -1,7 +1,7 @@
-"""The ModelPool activator: one exclusive slot per pool, swapped on demand (activator spec §2),
-with the #1837 fix (PR #1838, spec §4.3 F1-F6) built in.
+"""The ModelPool activator: one exclusive slot per pool, swapped on demand (docs/activator.md),
+with the #1837 fix (PR #1838; docs/activator.md, "The #1837 fix", F1-F6) built in.
 
-Design: one `trio.Lock` per pool, as in the spec's locking discipline (§2.8), rather than a single
+Design: one `trio.Lock` per pool, as in docs/activator.md, "Locking", rather than a single
 owner task fed by memory channels. The fix's core invariant is "every Deactivate decision *and its
 patch* happen under the same lock that every swap start takes", i.e. a critical section that spans
 an `await` (the controller call). A lock expresses that directly and keeps the upstream structure
@@ -64,7 +64,7 @@ BeforeDeactivateHook = Callable[[str, str], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    """One pool: members share one exclusive slot (spec §6).
+    """One pool: members share one exclusive slot (docs/activator.md, Concepts).
 
     `swap_budget`: how long a swap may take (None or <= 0: 2 x response-header timeout).
     `hold_budget`: how long one acquire may wait (None: the swap budget, else the response-header
@@ -148,7 +148,7 @@ class _Pool:
         self.swaps_started = 0
 
     def notify(self) -> None:
-        """Wake every current waiter and install a fresh event (spec §2.1 `change`)."""
+        """Wake every current waiter and install a fresh event (docs/activator.md, State)."""
         self.changed.set()
         self.changed = trio.Event()
 
@@ -302,8 +302,8 @@ class Activator:
     # ---- self-heal ------------------------------------------------------------------------------
 
     def invalidate_resident(self, pool: str) -> None:
-        """Re-verify residency on the next acquire (spec §2.6). A no-op for an unknown pool or
-        while a swap owns residency."""
+        """Re-verify residency on the next acquire (docs/activator.md, Self-heal). A no-op for an
+        unknown pool or while a swap owns residency."""
         runtime = self._pools.get(pool)
         if runtime is not None and runtime.state.swap is None:
             runtime.state.resident_checked_at = None
@@ -322,7 +322,8 @@ class Activator:
     async def acquire(
         self, model: str, mode: Mode | None = None, *, hold_budget: float | None = None
     ) -> Grant:
-        """Wait until `model` may be sent a request, then count it in flight (spec §2.3).
+        """Wait until `model` may be sent a request, then count it in flight (docs/activator.md,
+        Acquire).
 
         Raises `HoldTimeout`, `SwapFailed`, `IncumbentBusy`, `PoolQueueFull`, `UnknownMember` or
         `ActivatorStopped`;
@@ -410,7 +411,10 @@ class Activator:
         return pool
 
     def _cleanup(self, pool: _Pool, member: str, *, schedule: bool) -> None:
-        """Every acquire exit (spec §2.3 step 5). Synchronous: never waits, never notifies."""
+        """Every acquire exit (docs/activator.md, Acquire, step 4).
+
+        Synchronous: never waits, never notifies.
+        """
         st = pool.state
         remaining = st.waiting.get(member, 0) - 1
         if remaining > 0:
@@ -429,8 +433,8 @@ class Activator:
     def _start_swap(
         self, pool: _Pool, incumbent: str | None, target: str, hold_start: float
     ) -> None:
-        """Lock held, no checkpoint (spec §2.4): set the swap state and spawn its task (the task
-        only runs after this section, so the order of the two steps does not matter)."""
+        """Lock held, no checkpoint (docs/activator.md, Swap): set the swap state and spawn its task
+        (the task only runs after this section, so the order of the two steps does not matter)."""
         st = pool.state
         now = trio.current_time()
         deadline = now + resolve_swap_deadline(pool.spec.swap_budget, self._response_header_timeout)
@@ -442,7 +446,7 @@ class Activator:
             deadline=deadline,
             hold_start=hold_start,
         )
-        # F3: every swap runs under a deadline.
+        # F3 (docs/activator.md): every swap runs under a deadline.
         scope = trio.CancelScope(deadline=deadline)
         self._spawn(self._run_swap, pool, swap, scope)
         st.swap_gen = swap.gen
@@ -468,7 +472,8 @@ class Activator:
         if swap is None or scope is None:
             return
         if swap.cancel_reason is None:
-            # First cause wins (§8.5): past the deadline the swap already ended by "deadline".
+            # First cause wins (docs/activator.md, Swap): past the deadline the swap already ended
+            # by "deadline".
             past_deadline = trio.current_time() >= swap.deadline
             swap.cancel_reason = "deadline" if past_deadline else "cancelled"
         scope.cancel()
@@ -495,13 +500,13 @@ class Activator:
         error: BaseException | None,
         t0: float,
     ) -> None:
-        """The swap task's completion, under the lock (spec §2.4 steps 2-5)."""
+        """The swap task's completion, under the lock (docs/activator.md, Swap)."""
         st = pool.state
         spec = pool.spec
         async with pool.lock:
             try:
                 if st.swap is not swap:
-                    return  # F2: superseded; never touch a newer swap's state
+                    return  # F2 (docs/activator.md): superseded; never touch a newer swap's state
                 st.swap = None
                 pool.swap_scope = None
                 now = trio.current_time()
@@ -525,7 +530,7 @@ class Activator:
                         ).observe(now - swap.hold_start)
                     pool.publish_resident()
                 elif outcome is SwapOutcome.CANCELLED:
-                    pass  # F5: quiet; the deferred deactivate scales it down
+                    pass  # F5 (docs/activator.md): quiet; the deferred deactivate scales it down
                 elif outcome is SwapOutcome.ABANDONED:
                     elapsed = now - swap.started_at
                     log.error(
@@ -545,8 +550,8 @@ class Activator:
                         "target never became resident",
                         "deadline",
                     )
-                    # F4: scale the target down while the lock is held, so no waiter can start a
-                    # fresh swap whose Activate this patch would undo.
+                    # F4 (docs/activator.md): scale the target down while the lock is held, so no
+                    # waiter can start a fresh swap whose Activate this patch would undo.
                     await self._deactivate_locked(
                         pool, target, "model pool deactivate after abandoned swap failed"
                     )
@@ -579,8 +584,9 @@ class Activator:
     # ---- deactivates ----------------------------------------------------------------------------
 
     def _schedule_deactivate(self, pool: _Pool, member: str, gen: int) -> None:
-        """F1: asynchronous, the caller never waits. At most one pending task per member: a later
-        cleanup only moves the captured generation forward (the newest "last waiter left")."""
+        """F1 (docs/activator.md): asynchronous, the caller never waits. At most one pending task
+        per member: a later cleanup only moves the captured generation forward (the newest "last
+        waiter left")."""
         st = pool.state
         if member in st.pending_deactivate:
             st.pending_deactivate[member] = gen
@@ -592,7 +598,7 @@ class Activator:
         st.pending_deactivate[member] = gen
 
     async def _deactivate_if_unwanted(self, pool: _Pool, member: str) -> None:
-        """Spec §2.7: re-take the lock, re-check, and patch under the same lock."""
+        """docs/activator.md, Deferred deactivate: re-take the lock, re-check, patch under it."""
         if self.before_deactivate is not None:
             await self.before_deactivate(pool.spec.name, member)
         st = pool.state
@@ -611,7 +617,8 @@ class Activator:
             await self._deactivate_locked(pool, member, "model pool deactivate failed")
 
     async def _deactivate_locked(self, pool: _Pool, member: str, failure_message: str) -> None:
-        """One bounded controller call under the pool lock (deviation from upstream, §8.14: a
+        """One bounded controller call under the pool lock (deviation from upstream,
+        docs/decisions.md, D16: a
         hung controller must not freeze the pool). A timed-out patch may still have applied."""
         with trio.move_on_after(self._controller_timeout) as scope:
             try:

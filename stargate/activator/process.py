@@ -1,10 +1,10 @@
 """The `process` member controller: one local engine process per pool, swapped on demand.
 
-Decision 7: for single-machine model swapping a pool's members are engine commands (vLLM,
-llama.cpp's server, ...) started and stopped on this host, and each running engine is registered
-in the routing state directly, with no Pylon in between. A member is Ready exactly when its
-registration holds an active route, so the activator waits for readiness through the routing
-state like for any other backend; this controller never reports readiness itself.
+docs/decisions.md, D7: for single-machine model swapping a pool's members are engine commands (vLLM,
+llama.cpp's server, ...) started and stopped on this host, and each running engine is registered in
+the routing state directly, with no Pylon in between. A member is Ready exactly when its
+registration holds an active route, so the activator waits for readiness through the routing state
+like for any other backend; this controller never reports readiness itself.
 
 Lifecycle of one member (an `_Engine`):
 

@@ -1,8 +1,8 @@
 """Member readiness: which pool members (model ids) are Ready, with change events.
 
-Decision 7: a member is Ready when its model has at least one active backend in the routing state,
-i.e. `RoutingState.active_backend_count(RoutingTargetKey(None, model)) > 0`. The routing state
-reports every target-count change to one listener; the runtime forwards those calls to
+docs/decisions.md, D7: a member is Ready when its model has at least one active backend in the
+routing state, i.e. `RoutingState.active_backend_count(RoutingTargetKey(None, model)) > 0`. The
+routing state reports every target-count change to one listener; the runtime forwards those calls to
 `MemberReadiness.on_target_count`, which turns them into trio events. Nothing polls.
 
 The same class is the in-memory source for tests (`set_ready` / `set_count`).

@@ -2,7 +2,8 @@
 
 `pool.py` owns the locking, the tasks and the controller calls; each of its locked sections reads
 this state, asks one of the functions below what to do, and applies the answer. Keeping the
-decisions here lets them be tested without an event loop (activator spec §2.3-§2.7, fix §4.3).
+decisions here lets them be tested without an event loop (docs/activator.md, "Acquire" to "Deferred
+deactivate", and "The #1837 fix").
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ CancelReason = Literal["cancelled", "deadline"]
 
 @dataclass(slots=True)
 class SwapState:
-    """The swap in flight. `gen` identifies it (fix F2): only the task started with this object may
+    """The swap in flight. `gen` identifies it (docs/activator.md, F2): only the task started with
+    this object may
     clear it, and a deferred deactivate compares its captured generation against `gen`."""
 
     gen: int
@@ -42,14 +44,14 @@ class SwapState:
     started_at: float
     deadline: float
     hold_start: float  # the starting waiter's hold start (for hold_duration_seconds)
-    # Why the swap scope was cancelled, first cause wins (spec §8.5). None while not cancelled;
-    # a scope that caught its own deadline with no recorded reason ended by "deadline".
+    # Why the swap scope was cancelled, first cause wins (docs/activator.md, Swap). None while not
+    # cancelled; a scope that caught its own deadline with no recorded reason ended by "deadline".
     cancel_reason: CancelReason | None = None
 
 
 @dataclass(slots=True)
 class PoolState:
-    """Everything the activator believes about one pool (spec §2.1)."""
+    """Everything the activator believes about one pool (docs/activator.md, State)."""
 
     members: tuple[str, ...]
     resident: str | None = None
@@ -72,7 +74,7 @@ class PoolState:
 
 
 class Decision(enum.Enum):
-    """What one pass of the acquire loop does (spec §2.3 step 4)."""
+    """What one pass of the acquire loop does (docs/activator.md, Acquire, step 3)."""
 
     SWAP_ERROR = "swap_error"  # consume swap_err[m] and raise it
     GRANT = "grant"  # fast path: inflight[m]++
@@ -99,11 +101,11 @@ def decide(state: PoolState, member: str, mode: Mode) -> Decision:
 def reconcile_resident(
     state: PoolState, is_ready: Callable[[str], bool], now: float, resync_interval: float
 ) -> bool:
-    """Re-verify the resident belief at most every `resync_interval` (spec §2.5).
+    """Re-verify the resident belief at most every `resync_interval` (docs/activator.md, Reconcile).
 
-    Readiness is the routing state's (decision 7), an in-memory read, so unlike upstream no API
-    call happens under the lock and no read can fail. Returns True when the resident gauge should
-    be republished (the belief was re-derived).
+    Readiness is the routing state's (docs/decisions.md, D7), an in-memory read, so unlike upstream
+    no API call happens under the lock and no read can fail. Returns True when the resident gauge
+    should be republished (the belief was re-derived).
     """
     if state.swap is not None:
         return False  # the swap owns residency
@@ -118,7 +120,8 @@ def reconcile_resident(
 
 
 def cleanup_after_acquire(state: PoolState, member: str) -> tuple[bool, int | None]:
-    """The deferred cleanup of every acquire exit (spec §2.3 step 5), waiting already decremented.
+    """The deferred cleanup of every acquire exit (docs/activator.md, Acquire, step 4),
+    waiting already decremented.
 
     Returns (cancel the swap toward `member`, generation to schedule a deferred deactivate
     against, or None).
@@ -131,7 +134,8 @@ def cleanup_after_acquire(state: PoolState, member: str) -> tuple[bool, int | No
 
 
 def deactivate_skip_reason(state: PoolState, member: str, gen: int) -> str | None:
-    """Fix F1 / spec §2.7: why the deferred deactivate of `member` must not patch, or None.
+    """F1 (docs/activator.md, Deferred deactivate): why the deferred deactivate of `member` must not
+    patch, or None.
 
     A swap toward `member` with the *same* generation is the cancelled swap still unwinding: it
     does not block the deactivate (intended upstream).
@@ -148,16 +152,18 @@ def deactivate_skip_reason(state: PoolState, member: str, gen: int) -> str | Non
 
 class SwapOutcome(enum.Enum):
     SUCCESS = "success"
-    CANCELLED = "cancelled"  # quiet (F5)
-    ABANDONED = "abandoned"  # deadline (F4)
+    CANCELLED = "cancelled"  # quiet (docs/activator.md, F5)
+    ABANDONED = "abandoned"  # deadline (docs/activator.md, F4)
     FAILED = "failed"  # any other error
 
 
 def classify_swap_end(*, errored: bool, cancel_called: bool, swap: SwapState) -> SwapOutcome:
-    """Decide a finished swap's outcome from the *scope's* state, not the error type (§2.4).
+    """Decide a finished swap's outcome from the *scope's* state, not the error type.
+
+    docs/activator.md, Swap.
 
     `errored` is True when the controller raised or the scope caught a cancellation. A swap that
-    finished without error is a success even past its deadline (§8.5).
+    finished without error is a success even past its deadline.
     """
     if not errored:
         return SwapOutcome.SUCCESS
@@ -168,9 +174,10 @@ def classify_swap_end(*, errored: bool, cancel_called: bool, swap: SwapState) ->
 
 
 def resolve_swap_deadline(swap_budget: float | None, response_header_timeout: float) -> float:
-    """Fix F3: the pool's swap budget if > 0, else 2 x the configured response-header timeout.
+    """F3 (docs/activator.md): the swap budget if > 0, else 2 x the configured response-header
+    timeout.
 
-    Deviation (spec §8.3): upstream's fallback is a constant 240 s (2 x the *default*).
+    Deviation (docs/decisions.md, D16): upstream's fallback is a constant 240 s (2 x the *default*).
     """
     if swap_budget is not None and swap_budget > 0:
         return swap_budget
@@ -181,7 +188,8 @@ def resolve_hold_budget(
     hold_budget: float | None, swap_budget: float | None, response_header_timeout: float
 ) -> float:
     """How long one acquire may wait: the pool's hold budget, else its swap budget, else the
-    response-header timeout (spec §2.10; `hold_budget` is a stargate addition)."""
+    response-header timeout (docs/activator.md, Budgets;
+    `hold_budget` is a stargate addition)."""
     for value in (hold_budget, swap_budget):
         if value is not None and value > 0:
             return value

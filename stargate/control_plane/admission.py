@@ -1,9 +1,10 @@
-"""Admission and identity rules of a registration stream, as pure functions (spec §2.4, §2.7).
+"""Admission and identity rules of a registration stream, as pure functions.
 
-Decision 3 of the spec: backends are reached over HTTP, so a registration's URL must be `http://`
-or `https://`; `quic://` (the Rust replica's direct transport) and reverse tunnels are refused with
-INVALID_ARGUMENT and a message naming what is supported. Host names are accepted as well as IP
-literals, since an HTTP client resolves them (the Rust IP-literal rule existed for QUIC dials).
+docs/control-plane.md, "Admission" and "Idle timeout". docs/decisions.md, D3: backends are reached
+over HTTP, so a registration's URL must be `http://` or `https://`; `quic://` (the Rust replica's
+direct transport) and reverse tunnels are refused with INVALID_ARGUMENT and a message naming what is
+supported. Host names are accepted as well as IP literals, since an HTTP client resolves them (the
+Rust IP-literal rule existed for QUIC dials).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def validate_backend_url(url: str) -> None:
 
 
 def admit(message: pb.InferenceServerRegistration, routing_key: str | None) -> RegistrationIdentity:
-    """Check a stream's first message (spec §2.4, in order) and derive its identity."""
+    """Check a stream's first message (docs/control-plane.md, Admission) and derive its identity."""
     if not message.inference_server_id:
         raise _invalid("inference_server_id is empty")
     if not message.inference_server_url:
@@ -99,7 +100,7 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def negotiate_idle_timeout(header: str | None, floor_ms: int, cap_ms: int) -> float | None:
-    """Seconds a stream may stay silent (spec §2.7); None = wait forever.
+    """Seconds a stream may stay silent (docs/control-plane.md, Idle timeout); None = forever.
 
     Any zero flag disables idle enforcement. Without a usable heartbeat header the cap applies;
     otherwise min(max(3 x heartbeat, floor), cap): the cap wins even when it is below the floor.
@@ -142,7 +143,9 @@ def stats_from_wire(stats: pb.ModelStats) -> ModelStats:
 def routes_for_update(
     message: pb.InferenceServerRegistration, rtt_ns: int | None, received_at: float
 ) -> dict[str, BackendRoute | None]:
-    """Each listed model's effective status (spec §2.9): a route, or None if not routable.
+    """Each listed model's effective status: a route, or None if not routable.
+
+    docs/control-plane.md, Model status.
 
     Missing stats force INACTIVE; UNKNOWN and unknown enum numbers are not routable; an ACTIVE
     model without an RTT (the backend's health check failed) is not routable either.

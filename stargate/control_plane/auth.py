@@ -1,4 +1,5 @@
-"""Who may register: the authenticators of a registration stream (spec §2.3 step 1).
+"""Who may register: the authenticators of a registration stream (docs/control-plane.md,
+Registration lifecycle, step 1).
 
 An authenticator turns the stream's bearer token (or none) into the stream's routing key, or
 refuses it. Three are offered:

@@ -1,4 +1,4 @@
-"""Peer discovery and the `WatchStargates` publisher (spec control-plane §2.10).
+"""Peer discovery and the `WatchStargates` publisher (docs/control-plane.md, WatchStargates).
 
 A Pylon learns which replicas exist from `WatchStargates` and registers with every one of them,
 so what this module publishes decides which replicas receive backends. Three discovery modes
@@ -81,12 +81,13 @@ resolver's own retries (5 s x attempts) would otherwise stall the publisher for 
 
 @dataclass(frozen=True, slots=True)
 class StargateInfo:
-    """One replica as published in `WatchStargatesResponse.stargates` (spec §2.2).
+    """One replica as published in `WatchStargatesResponse.stargates`
+    (`stargate/protocol/stargate.proto`).
 
     `advertise_addr` is the gRPC authority a Pylon uses; `grpc_pylon_dial_addr`, when set, is
     what it actually dials (e.g. a load balancer) while keeping `advertise_addr` as authority.
-    `http_advertise_addr` is empty for every replica but the publishing one (trap 26: per-peer
-    HTTP addresses are not synthesized).
+    `http_advertise_addr` is empty for every replica but the publishing one (per-peer HTTP
+    addresses are not synthesized: docs/control-plane.md, WatchStargates).
     """
 
     stargate_id: str
@@ -182,7 +183,7 @@ def _advertise_address(text: str, what: str) -> str:
     if address.port == 0:
         raise ConfigError(
             f"{what} {text!r} has port 0; build the discovery config after binding, with the "
-            "bound port (spec §1: an advertised port 0 is rewritten to the listener's port)"
+            "bound port (an advertised port 0 is rewritten to the listener's port)"
         )
     return str(address)
 
@@ -374,15 +375,18 @@ def _endpoint(text: str) -> tuple[str | None, str]:
 def normalize_remote_urls(
     urls: Iterable[str], *, self_addresses: Iterable[str], dns_name: str | None
 ) -> tuple[str, ...]:
-    """The remote `WatchStargates` seeds to re-publish as `watch_stargate_urls` (spec §1, §2.10).
+    """The remote `WatchStargates` seeds to re-publish as `watch_stargate_urls`.
+
+    docs/control-plane.md, WatchStargates.
 
     Each value may hold several comma-separated URLs (the env variable and the flag both split).
     Entries are trimmed, blanks dropped, deduplicated by `host:port` (the first spelling is kept)
     and sorted, so the published list, and therefore change detection, does not depend on flag
-    order. Entries pointing at this replica are dropped (trap 17): any of `self_addresses`, and
-    any port on the discovery DNS name or its `-headless.` -> `.` variant (the headless Service's
-    ClusterIP sibling), because a Pylon told to watch us through a remote seed would only learn
-    what it already knows, and would lose it whenever that extra stream reconnects.
+    order. Entries pointing at this replica are dropped (docs/control-plane.md, WatchStargates): any
+    of `self_addresses`, and any port on the discovery DNS name or its `-headless.` -> `.` variant
+    (the headless Service's ClusterIP sibling), because a Pylon told to watch us through a remote
+    seed would only learn what it already knows, and would lose it whenever that extra stream
+    reconnects.
     """
     self_keys = {_endpoint(address.strip())[1] for address in self_addresses if address.strip()}
     own_hosts: set[str] = set()
@@ -408,7 +412,7 @@ def build_snapshot(
     remote_urls: tuple[str, ...],
     grpc_pylon_dial_addr: str | None,
 ) -> WatchSnapshot:
-    """Turn discovered entries into the published response (spec §2.10 "response building").
+    """Turn discovered entries into the published response (docs/control-plane.md, WatchStargates).
 
     1. Deduplicate by `advertise_addr`: an entry with a non-empty id replaces the one seen before
        (so a named entry beats an anonymous one, and a later named one wins); an empty id never
@@ -433,19 +437,19 @@ def build_snapshot(
 
 
 def _sorted_entries(entries: Iterable[StargateInfo]) -> list[StargateInfo]:
-    """All modes list replicas sorted by id, then address (spec §2.10)."""
+    """All modes list replicas sorted by id, then address (docs/control-plane.md)."""
     return sorted(entries, key=lambda e: (e.stargate_id, e.advertise_addr))
 
 
 def dns_entries(ips: Iterable[str], *, config: DiscoveryConfig) -> list[StargateInfo]:
-    """Entries for the IPs a DNS lookup returned (spec §2.10 mode (c)).
+    """Entries for the IPs an A/AAAA lookup returned (docs/control-plane.md, WatchStargates).
 
     Each IP becomes `<ip>:<advertise port>`. The one equal to this replica's advertise address is
     the self entry (id and HTTP address); the others use the address as id and no HTTP address
-    (trap 26). Loopback and unspecified IPs of others are skipped: a Pylon elsewhere cannot reach
-    them. Self is always included, even when DNS does not list it yet (a pod's record can lag its
-    start), so a Pylon watching this replica never loses it. IPv6 zone ids are dropped, since
-    they mean nothing on another host; unparseable strings are ignored.
+    (docs/control-plane.md, WatchStargates). Loopback and unspecified IPs of others are skipped: a
+    Pylon elsewhere cannot reach them. Self is always included, even when DNS does not list it yet
+    (a pod's record can lag its start), so a Pylon watching this replica never loses it. IPv6 zone
+    ids are dropped, since they mean nothing on another host; unparseable strings are ignored.
     """
     port = config.advertise_port
     entries = [config.self_entry]
@@ -469,8 +473,9 @@ def peer_entries(
 ) -> list[StargateInfo]:
     """Entries for the static `--peer` list, self included (see `_merge_peers` for the rules).
 
-    Peers get no HTTP address (trap 26); a peer without an explicit id uses its address. Peers
-    whose address is in `absent` (failing their health checks) are left out; self never is.
+    Peers get no HTTP address (docs/control-plane.md, WatchStargates); a peer without an explicit id
+    uses its address. Peers whose address is in `absent` (failing their health checks) are left out;
+    self never is.
     """
     entries = [config.self_entry]
     for address, peer_id in _merge_peers(config).items():
@@ -660,7 +665,7 @@ class WatchPublisher:
         return self._announced(snapshot)
 
     async def _dns_round(self) -> list[StargateInfo]:
-        """Resolve the discovery name; on failure publish self only (trap 16).
+        """Resolve the discovery name; on failure publish self only (docs/control-plane.md).
 
         Falling back to self only (rather than keeping the last good list) is the Rust behaviour:
         Pylons watching only this replica then drop the other peers until DNS recovers. The
@@ -731,10 +736,11 @@ class WatchPublisher:
 
         The first poll runs immediately and `task_status.started()` is called after the first
         publication, so `await nursery.start(publisher.run)` returns with `current()` set and the
-        first message every stream sends is a real discovery result (trap 16). Later polls run
-        every `dns_poll_ms`; a snapshot is published when it changed or when `watch_heartbeat_ms`
-        has passed since the last publication (measured in whole poll ticks). Static peers' health
-        checks, when enabled, run alongside; each poll reads which peers are absent.
+        first message every stream sends is a real discovery result (docs/control-plane.md,
+        WatchStargates). Later polls run every `dns_poll_ms`; a snapshot is published when it
+        changed or when `watch_heartbeat_ms` has passed since the last publication (measured in
+        whole poll ticks). Static peers' health checks, when enabled, run alongside; each poll reads
+        which peers are absent.
         """
         if self._ran:
             raise RuntimeError("a WatchPublisher can run only once")

@@ -1,6 +1,6 @@
 """A small gRPC server: a raw ASGI app served by Hypercorn over HTTP/2 cleartext, on the trio loop.
 
-Why not a gRPC library (README decision 4, stack-notes §5): purerpc never notices a client that
+Why not a gRPC library (docs/decisions.md, D4): purerpc never notices a client that
 goes away, grpcio's server needs threads and a second event loop, and grpclib needs asyncio. Owning
 the ~200 lines of gRPC-over-HTTP/2 framing keeps registrations on the one trio loop, where a
 disconnect is an ordinary `http.disconnect` and the handler's `finally` blocks run.
@@ -12,7 +12,7 @@ What this server speaks:
   plain 505 and a missing `te: trailers` a plain 400: none of these could carry gRPC trailers.
 * Responses: always `200` headers, then zero or more length-prefixed messages, then the
   `grpc-status` / `grpc-message` trailers. Never the ASGI "trailers-only" shortcut: grpcio then
-  reports UNKNOWN whatever the status (stack-notes P11).
+  reports UNKNOWN whatever the status (docs/decisions.md, H5).
 * No compression (`grpc-accept-encoding: identity`); a compressed message or a non-identity
   `grpc-encoding` fails the call with UNIMPLEMENTED, as the gRPC spec asks.
 * `grpc-timeout` becomes `RpcContext.deadline` and a trio cancel scope; a malformed value fails the
@@ -274,7 +274,8 @@ class GrpcApp:
         over and nothing of it keeps running.
         """
         if scope["type"] == "lifespan":
-            # Hypercorn-trio crashes at startup on an app that ignores lifespan (stack-notes P9).
+            # Hypercorn-trio crashes at startup on an app that ignores lifespan
+            # (docs/decisions.md, H4).
             await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
@@ -292,8 +293,8 @@ class GrpcApp:
             await _plain_response(receive, send, 505, "gRPC requires HTTP/2\n")
             return
         if (b"te", b"trailers") not in scope["headers"]:
-            # Hypercorn sends trailers only to a request carrying exactly this header (P11), and a
-            # gRPC status without trailers is no status at all.
+            # Hypercorn sends trailers only to a request carrying exactly this header
+            # (docs/decisions.md, H5), and a gRPC status without trailers is no status at all.
             await _plain_response(receive, send, 400, "gRPC requires the header te: trailers\n")
             return
         await _Call(self, scope, receive, send).run()

@@ -1,4 +1,4 @@
-"""Backend health and RTT for registrations (spec §2.8, adapted to HTTP backends by decision 3).
+"""Backend health and RTT for registrations (docs/control-plane.md, Health and RTT).
 
 Each admitted registration runs a monitor that probes `GET {url}/health` (falling back to
 `GET {url}/v1/health/ready` when `/health` is 404) every second and publishes either the round-trip

@@ -1,11 +1,13 @@
 """The `RegisterInferenceServer` stream: one task per Pylon stream, from auth to cleanup.
 
-Lifecycle (control-plane spec §2.3, HTTP backends by decision 3):
+Lifecycle (docs/control-plane.md, "Registration lifecycle"; HTTP backends: docs/decisions.md,
+D3):
 
 1. authenticate the bearer token before reading anything (UNAUTHENTICATED on failure);
-2. negotiate the idle timeout from `x-stargate-registration-heartbeat-ms` (§2.7);
+2. negotiate the idle timeout from `x-stargate-registration-heartbeat-ms` (Idle timeout);
 3. wait for the first message: end, idle timeout or shutdown first ends the stream with OK;
-4. admit it (§2.4) and reserve the id in the routing state (ALREADY_EXISTS for a live duplicate);
+4. admit it (Admission) and reserve the id in the routing state (ALREADY_EXISTS for a live
+   duplicate);
 5. for this and every later message, strictly in order: check the identity, get the backend's
    RTT from its health monitor, apply the update to the routing state, send one ack;
 6. however the stream ends (client end, idle timeout, error status, disconnect, shutdown), remove

@@ -1,4 +1,4 @@
-"""The two gRPC services of a replica, each on its own port (spec §0, §7 trap 15).
+"""The two gRPC services of a replica, each on its own port (docs/control-plane.md, Ports).
 
 * `stargate.StargateControlPlane` (`--listen-addr`): `RegisterInferenceServer` and
   `WatchStargates`, facing Pylons.
@@ -124,7 +124,10 @@ def model_discovery_app(
     async def list_models(
         request: pb.ListModelsRequest, context: RpcContext
     ) -> pb.ListModelsResponse:
-        """Models with an active backend under the requested routing key (spec §2.11)."""
+        """Models with an active backend under the requested routing key.
+
+        docs/control-plane.md, ListModels.
+        """
         routing_key = request.routing_key.strip() if request.HasField("routing_key") else ""
         model_ids = [model_id.strip() for model_id in request.model_ids]
         if any(not model_id for model_id in model_ids):

@@ -1,7 +1,7 @@
 """The proxy routes as a lean ASGI handler in front of the QuartTrio app.
 
-`POST /v1/chat/completions`, `/v1/responses`, `/v1/embeddings` and `/v1/completions` are served
-here without Quart's request machinery (stack-notes §4: about 200 µs per request saved);
+`POST /v1/chat/completions`, `/v1/responses`, `/v1/embeddings` and `/v1/completions` are served here
+without Quart's request machinery (docs/decisions.md, D11: about 200 µs per request saved);
 everything else (probes, `/v1/models`, `/debug/state`) goes to the Quart app. A wrong method on a
 proxy path is 405 with `allow: POST`.
 

@@ -1,15 +1,15 @@
 """The proxy's request contract: headers in, a `ProxyRequest` or a local error out (pure).
 
-Data-plane spec §1.3 and §7: the model and routing key come from headers only; every header is
-validated, in a fixed order, before any routing, so a bad header on an unknown model is a 400, not
-a 404. Numeric headers follow the Rust parser (ASCII digits, optional leading `+`, range-checked),
-not Python's `int()` (which accepts `1_000` and non-ASCII digits). A repeated header counts by its
-first value; a string header that is not visible ASCII counts as absent.
+docs/data-plane.md, "Header contract": the model and routing key come from headers only; every
+header is validated, in a fixed order, before any routing, so a bad header on an unknown model is a
+400, not a 404. Numeric headers follow the Rust parser (ASCII digits, optional leading `+`,
+range-checked), not Python's `int()` (which accepts `1_000` and non-ASCII digits). A repeated header
+counts by its first value; a string header that is not visible ASCII counts as absent.
 
-Spec decision 5 adds `--accept-openai-requests`: without `x-model`, the model comes from the JSON
-body, a request id is generated and returned, and the input tokens are estimated from the body size.
-Such a request is in the *OpenAI form*, and every answer the replica makes itself for it has the
-OpenAI error body; a request in the Rust header form gets the Rust answers byte for byte
+docs/decisions.md, D5 adds `--accept-openai-requests`: without `x-model`, the model comes from the
+JSON body, a request id is generated and returned, and the input tokens are estimated from the body
+size. Such a request is in the *OpenAI form*, and every answer the replica makes itself for it has
+the OpenAI error body; a request in the Rust header form gets the Rust answers byte for byte
 (docs/clients.md, "Error bodies").
 
 Header hygiene beyond the Rust list (docs/clients.md, "Headers"): only the `x-model` and
@@ -49,7 +49,8 @@ U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 ROUTING_WAIT_CAP_MS = 60_000
 
-# Dropped both ways (§2.8): hop-by-hop headers, then Stargate-internal ones.
+# Dropped both ways (docs/data-plane.md, Header filtering): hop-by-hop headers, then
+# Stargate-internal ones.
 _DROPPED = frozenset(
     {
         b"connection",
@@ -71,7 +72,8 @@ _DROPPED = frozenset(
 )
 # Forwarded once, with the value the replica routed by (a duplicate could disagree with it).
 _SINGLE = (b"x-model", b"x-request-id")
-# Hypercorn adds its own; forwarding the upstream's would duplicate them (stack-notes P5).
+# Hypercorn adds its own; forwarding the upstream's would duplicate them
+# (docs/decisions.md, H3).
 _DROPPED_RESPONSE = _DROPPED | {
     b"date",
     b"server",
@@ -280,7 +282,9 @@ def parse_proxy_request(
     retry_budget_header: bytes | None,
     accept_openai_requests: bool = False,
 ) -> ProxyRequest:
-    """Validate a proxy request in the Rust order (§1.3 step 1 and 4); raise `ContractError`.
+    """Validate a proxy request in the Rust order; raise `ContractError`.
+
+    docs/data-plane.md, Header contract, validation steps 1 and 4.
 
     `headers` must have lower-case names (as ASGI gives them). Algorithm availability (step 2-3)
     is checked by the router, which knows the load-balancer configuration.

@@ -1,4 +1,6 @@
-"""Forwarding one proxied request: routing attempts, upstream attempts, retries (spec §2).
+"""Forwarding one proxied request: routing attempts, upstream attempts, retries.
+
+docs/data-plane.md, "Forwarding" to "Retries".
 
 The outer loop takes a fresh snapshot of the target, asks the load balancer for a cluster
 (excluding clusters this request already failed) and picks a backend in it by the cluster's round
@@ -83,8 +85,9 @@ client input must not create series (docs/clients.md, "Metrics")."""
 def _coded_error(
     status: int, code: str, rust_text: str, message: str, param: str | None = None
 ) -> ContractError:
-    """One of the two local errors with a body in the Rust form (§1.6): `{"error","code"}` and
-    `x-stargate-error-code`; `message` is what an OpenAI-form answer says instead."""
+    """One of the two local errors with a body in the Rust form (docs/data-plane.md,
+    Local answers): `{"error","code"}` and `x-stargate-error-code`; `message` is what an OpenAI-form
+    answer says instead."""
     body = json.dumps({"error": rust_text, "code": code}, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"x-stargate-error-code", code.encode())]
     return ContractError(status, body, headers, message=message, code=code, param=param)
@@ -176,7 +179,7 @@ class HeadWaits:
 
 @dataclass(slots=True)
 class _Attempts:
-    """Per-request retry state (§2.1)."""
+    """Per-request retry state (docs/data-plane.md, Forwarding)."""
 
     failed_backends: set[str]
     failed_clusters: set[str]
@@ -249,7 +252,10 @@ class Router:
         }
 
     def resolve_algorithm(self, request: ProxyRequest) -> AlgorithmSpec:
-        """§1.3 steps 2-3: the algorithm for this request, or a bare 400."""
+        """The algorithm for this request, or a bare 400.
+
+        docs/data-plane.md, Header contract, validation steps 2-3.
+        """
         header = None
         if request.routing_method is not None:
             try:
@@ -365,8 +371,9 @@ class Router:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
             server_labels = {"inference_server_id": backend.inference_server_id, **labels}
-            # Each attempt adds its own reservation (§2.3); only a queue-estimate mismatch
-            # releases it early, otherwise the backend's next heartbeat does.
+            # Each attempt adds its own reservation (docs/data-plane.md, Reservations); only a
+            # queue-estimate mismatch releases it early, otherwise the backend's next heartbeat
+            # does.
             reservation = self._routing.reserve(
                 target,
                 cluster.cluster_id,
@@ -487,7 +494,8 @@ class Router:
     def _unavailable(
         self, request: ProxyRequest, state: _Attempts, choosable: bool, labels: dict[str, str]
     ) -> ContractError:
-        """The bare 503 of §1.6, with what an OpenAI-form answer says about it."""
+        """The bare 503 of docs/data-plane.md, Local answers, with what an OpenAI-form answer says
+        about it."""
         model = request.model_id
         if state.failed_any:
             self._metrics.retry_exhausted.labels(reason="no_eligible_backend", **labels).inc()
@@ -502,7 +510,10 @@ class Router:
         return ContractError(503, message=message, code=code, param="model")
 
     def _retry_reason(self, response: UpstreamResponse) -> str | None:
-        """The retry reason if `response` is a retry candidate (§2.5.2), else None."""
+        """The retry reason if `response` is a retry candidate, else None.
+
+        docs/data-plane.md, Retries.
+        """
         if response.status not in RETRYABLE_STATUSES:
             return None
         signal = first_header(response.headers, b"x-stargate-retryable")
@@ -517,8 +528,9 @@ class Router:
 
 
 def _is_queue_estimate_mismatch(response: UpstreamResponse) -> bool:
-    """A Pylon's explicit "my queue is not what you estimated" 429 (§2.4 step 4): the one
-    response that releases its attempt's reservation, whether or not a retry follows."""
+    """A Pylon's explicit "my queue is not what you estimated" 429 (docs/data-plane.md, One
+    attempt): the one response that releases its attempt's reservation, whether or not a retry
+    follows."""
     if response.status != 429:
         return False
     signal = first_header(response.headers, b"x-stargate-retryable")
@@ -529,7 +541,8 @@ def _is_queue_estimate_mismatch(response: UpstreamResponse) -> bool:
 
 
 def _upstream_failed(request: ProxyRequest) -> ContractError:
-    """The bare 502 of §1.6. The message names no backend: clients never learn the topology."""
+    """The bare 502 of docs/data-plane.md, Local answers. The message names no backend: clients
+    never learn the topology."""
     return ContractError(
         502,
         message=f"the upstream request for model {request.model_id!r} failed; retry later",

@@ -1,24 +1,23 @@
 """A keep-alive HTTP/1.1 client pool on trio sockets (h11), for proxying requests to backends.
 
-Why not httpx in the hot path (stack notes §3-4, recommendation 2): the proxy is CPU-bound, and
-httpx/httpcore spent about half of the proxy's CPU per request. httpcore scans every pooled
-connection and `poll()`s each idle socket on every request (an O(pool) cost, pitfall P3), httpx
-keeps a cookie jar that leaks `Set-Cookie` between users of a shared client (P4), and its models
-and URL handling add the rest. A small h11 pool measured about 2x the throughput. This is that
-pool, made production-shaped:
+Why not httpx in the hot path (docs/decisions.md, D10): the proxy is CPU-bound, and httpx/httpcore
+spent about half of the proxy's CPU per request. httpcore scans every pooled connection and
+`poll()`s each idle socket on every request (an O(pool) cost), httpx keeps a cookie jar that leaks
+`Set-Cookie` between users of a shared client, and its models and URL handling add the rest. A small
+h11 pool measured about 2x the throughput. This is that pool, made production-shaped:
 
 * **Bytes in, bytes out.** No cookie jar, no redirects, no decompression, no proxy settings from
   the environment: the proxy forwards exactly what the backend sent.
-* **Framing is ours** (P8): `host` and `content-length` are set here, replacing any the caller
-  passed, and the body is always sent with `content-length` (never chunked).
-* **Timeouts** (data-plane spec §2.6): a connect timeout (TCP + TLS), a head timeout from the
-  first request byte until the response head, and **no** timeout on the body, which may stream
+* **Framing is ours** (h11 adds neither header): `host` and `content-length` are set here, replacing
+  any the caller passed, and the body is always sent with `content-length` (never chunked).
+* **Timeouts** (docs/data-plane.md, Timeouts): a connect timeout (TCP + TLS), a head timeout from
+  the first request byte until the response head, and **no** timeout on the body, which may stream
   for as long as the backend generates tokens.
-* **Streaming** (§2.7): `UpstreamResponse.aiter_bytes()` yields data as it arrives; data that is
-  already buffered when the consumer asks is joined into one chunk, which saves downstream sends
-  without ever waiting for more.
-* **Cancellation** (§2.10): a cancelled request or body read closes the connection; a connection
-  is returned to the pool only after a complete, reusable response.
+* **Streaming** (docs/data-plane.md, Streaming): `UpstreamResponse.aiter_bytes()` yields data as it
+  arrives; data that is already buffered when the consumer asks is joined into one chunk, which
+  saves downstream sends without ever waiting for more.
+* **Cancellation** (docs/data-plane.md, Cancellation): a cancelled request or body read closes the
+  connection; a connection is returned to the pool only after a complete, reusable response.
 * **Stale connections**: a server may close an idle keep-alive connection at any moment, so a
   reused connection that dies before any response byte is retried once on a fresh connection
   (see `UpstreamPool.request`).
@@ -62,8 +61,9 @@ _RECEIVE_SIZE: Final = 65536
 # Bodies up to this size are sent in the same `send_all` as the head (one copy, one syscall);
 # larger ones are sent separately to avoid copying them.
 _COALESCE_LIMIT: Final = 65536
-# Request headers that this module owns (P8). `transfer-encoding` too: the body is always framed
-# with `content-length`, and a leftover `transfer-encoding: chunked` would contradict it.
+# Request headers that this module owns (docs/decisions.md, D10). `transfer-encoding` too: the
+# body is always framed with `content-length`, and a leftover `transfer-encoding: chunked` would
+# contradict it.
 _OWNED_HEADERS: Final = frozenset({b"host", b"content-length", b"transfer-encoding"})
 # Methods that send `content-length` only when they actually carry a body (RFC 9110 §8.6: a client
 # should not send `content-length: 0` where the method defines no meaning for content).
@@ -90,8 +90,8 @@ class PoolConfig:
 
     * `connect_timeout`: TCP connect plus TLS handshake of one new connection.
     * `response_head_timeout`: from the start of sending the request until the response head has
-      arrived (the spec's request timeout, §2.6). The body has no timeout: a streamed completion
-      lasts as long as the model generates. `math.inf` disables it.
+      arrived (docs/data-plane.md, Timeouts). The body has no timeout: a streamed completion lasts
+      as long as the model generates. `math.inf` disables it.
     * `pool_acquire_timeout`: how long a request waits for a connection slot when the origin is
       at `max_connections_per_origin`.
     * `max_connections_per_origin`: open connections (in use plus idle) per scheme/host/port.
@@ -518,22 +518,22 @@ class UpstreamPool:
         `url` is absolute `http://` or `https://` (backend base URL + path + query); a fragment is
         ignored. `headers` are forwarded as given except `host`, `content-length` and
         `transfer-encoding`, which are set here (any case, any number of copies, replaced).
-        Hop-by-hop filtering is the caller's job (data-plane spec §2.8); a `connection: close`
-        passed here is honoured (the connection is then not reused).
+        Hop-by-hop filtering is the caller's job (docs/data-plane.md, Header filtering); a
+        `connection: close` passed here is honoured (the connection is then not reused).
 
-        Stale pooled connections: a server may close an idle keep-alive connection at any time
-        (its keep-alive timeout, a restart), and its FIN can cross our request on the wire. When a
+        Stale pooled connections: a server may close an idle keep-alive connection at any time (its
+        keep-alive timeout, a restart), and its FIN can cross our request on the wire. When a
         *reused* connection is closed or reset before *any* byte of the response arrived, the
         request is retried once on a fresh connection. Client libraries all handle this race:
         urllib3 and httpcore check each pooled socket for readability before reuse (the per-request
         `poll()` this pool avoids), and Go's net/http retries on a fresh connection when a reused
-        one dies before the first response byte. The reasoning for retrying: a server that read
-        the request and is working on it answers, if only with a 500; closing without a byte is
-        what a server does to a connection it considers idle, so the request was almost certainly
-        never processed. Unlike Go (which replays only idempotent requests or unsent ones), every
-        method is retried here: the residual risk is a backend that crashed mid-request, where
-        the cost is a duplicate inference, and the router retries transport errors anyway (spec
-        §2.5.1). Only reused connections qualify: a fresh connection failing the same way raises
+        one dies before the first response byte. The reasoning for retrying: a server that read the
+        request and is working on it answers, if only with a 500; closing without a byte is what a
+        server does to a connection it considers idle, so the request was almost certainly never
+        processed. Unlike Go (which replays only idempotent requests or unsent ones), every method
+        is retried here: the residual risk is a backend that crashed mid-request, where the cost is
+        a duplicate inference, and the router retries transport errors anyway (docs/data-plane.md,
+        Retries). Only reused connections qualify: a fresh connection failing the same way raises
         `UpstreamProtocolError(request_sent=True)` and is never retried here.
 
         Raises `ValueError` for a bad URL or header, `RuntimeError` after `aclose()`, and the

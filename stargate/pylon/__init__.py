@@ -1,5 +1,5 @@
 """The Pylon: a registration sidecar that keeps one inference engine registered with every
-Stargate replica (control-plane spec §2.12; HTTP backends per decision 3).
+Stargate replica (docs/pylon.md; HTTP backends per docs/decisions.md, D3).
 
 `run_pylon(config)` is the library entry point; `stargate.pylon.cli.pylon_command` the CLI.
 """

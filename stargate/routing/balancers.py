@@ -1,12 +1,13 @@
-"""Load balancers: a pure choice of one cluster from a target's snapshot (data-plane spec §3).
+"""Load balancers: a pure choice of one cluster from a target's snapshot (docs/data-plane.md).
 
 Nothing here does I/O or reads a clock. A balancer gets the target's cluster snapshots, the
-request's routing inputs and the clusters this request has already failed, and returns a
-`Choice` or None ("nothing choosable now"). Only round-robin keeps state (its counter); every
-instance belongs to one (target, algorithm definition) pair, owned by
-`stargate.routing.lb_config.BalancerRegistry` (§3.4).
+request's routing inputs and the clusters this request has already failed, and returns a `Choice` or
+None ("nothing choosable now"). Only round-robin keeps state (its counter); every instance belongs
+to one (target, algorithm definition) pair, owned by `stargate.routing.lb_config.BalancerRegistry`
+(docs/data-plane.md, LB instances).
 
-Scores (§3.5) are plain functions of one cluster snapshot and the request, lower is better:
+Scores (docs/data-plane.md, Scores) are plain functions of one cluster snapshot and the request,
+lower is better:
 
 * `input_tps` is `last_mean_input_tps` when finite and positive, else 0 (no capacity);
 * `delay(work, rate)` is 0 for no work, +inf for no rate, else work / rate (seconds);
@@ -14,8 +15,8 @@ Scores (§3.5) are plain functions of one cluster snapshot and the request, lowe
   request's priority; 0 if none) when the cluster publishes any, else the queued input work;
 * `ttft_ms` = RTT + queue delay + prefill delay of the request's own input tokens.
 
-The per-cluster backend round robin (§2.2) is `choose_backend`; its counter belongs to the
-caller, since it is shared by every algorithm and request for the cluster.
+The per-cluster backend round robin (docs/data-plane.md, Backend choice) is `choose_backend`; its
+counter belongs to the caller, since it is shared by every algorithm and request for the cluster.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ _U64_MAX_AS_FLOAT: Final = float(2**64)
 
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
-    """What a balancer may know about one request (all parsed from headers, §1.3)."""
+    """What a balancer may know about one request (parsed from headers: docs/data-plane.md)."""
 
     model_id: str
     input_tokens: int
@@ -83,7 +84,7 @@ class Choice:
     rank_depth: int = 1
 
 
-# ---- scores (§3.5) ------------------------------------------------------------------------------
+# ---- scores (docs/data-plane.md, Scores) ---------------------------------------------------------
 
 
 def valid_input_tps(value: float) -> bool:
@@ -136,7 +137,9 @@ def queue_time_delta_ms(input_tokens: int, last_mean_input_tps: float) -> int | 
 
 
 def expected_queue_ms(cluster: ClusterSnapshot, priority: int) -> int | None:
-    """The `x-stargate-expected-queue-ms` value for one attempt (§2.4, §3.5), or None to omit it.
+    """The `x-stargate-expected-queue-ms` value for one attempt, or None to omit it.
+
+    docs/data-plane.md, One attempt and Scores.
 
     The per-priority rule when the cluster publishes a map (no matching entry gives 0, not
     None), else the queued input work at the published TPS.
@@ -195,7 +198,7 @@ def _order_key(score: float) -> tuple[bool, float]:
     return (True, 0.0) if math.isnan(score) else (False, score)
 
 
-# ---- balancers (§3.6) ---------------------------------------------------------------------------
+# ---- balancers (docs/data-plane.md, Balancers) ---------------------------------------------------
 
 
 class LoadBalancer(Protocol):
@@ -327,7 +330,7 @@ class PowerOfN:
         return Choice(chosen)
 
 
-# ---- backend inside a cluster (§2.2) ------------------------------------------------------------
+# ---- backend inside a cluster (docs/data-plane.md, Backend choice) -------------------------------
 
 
 def choose_backend(
@@ -347,13 +350,14 @@ def choose_backend(
     return unfailed[counter % len(unfailed)]
 
 
-# ---- input-work admission (§3.8) ---------------------------------------------------------------
+# ---- input-work admission (docs/data-plane.md, Input-work admission) -----------------------------
 
 
 def input_work_rejection(
     clusters: Sequence[ClusterSnapshot], input_tokens: int, limit_seconds: float
 ) -> str | None:
-    """Why a request must not be routed at all, or None to admit it (spec §3.8).
+    """Why a request must not be routed at all, or None to admit it (docs/data-plane.md,
+    Input-work admission).
 
     Work = the request's input tokens plus every considered cluster's queued input; capacity = the
     sum of their valid input TPS (clusters without one add work, not capacity). No capacity is

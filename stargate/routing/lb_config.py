@@ -1,16 +1,17 @@
 """The load-balancer configuration file, `x-routing-method` resolution and LB instance lifetime.
 
-Data-plane spec §3.2-§3.4. The file is JSON, read once at startup:
+docs/data-plane.md, "Load balancer config" to "LB instances". The file is JSON, read once at
+startup:
 
     {"default": "power-of-n",
      "request_algorithms": {"round-robin": "round-robin"},
      "models": {"my-model": {"algorithm": "power-of-n", "sample_count": 4,
                              "request_algorithms": {"random": "random"}}}}
 
-Every name in the file is case-sensitive kebab-case (or one of the §3.2 aliases); only the
+Every name in the file is case-sensitive kebab-case (or one of the documented aliases); only the
 header parser (`parse_algorithm_header`) lowercases and maps `_` to `-`. All six upstream
 algorithms are recognised, but only power-of-n, round-robin and random are implemented yet
-(project decision 6): any of the other three in a position that can be selected (the
+(docs/decisions.md, D6): any of the other three in a position that can be selected (the
 `default`, a `models` entry, a `request_algorithms` entry) fails at startup. Entries nested in
 a `request_algorithms` entry's own `request_algorithms` are parsed (so their errors still fail
 startup, as upstream) but never used, so they may name any algorithm.
@@ -146,9 +147,10 @@ _ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ_", "abcdefghijkl
 
 
 def parse_algorithm_header(value: str) -> str:
-    """The canonical name for an `x-routing-method` value (§1.3): trimmed, ASCII-lowercased,
-    `_` mapped to `-`, then the file's names and aliases. Raises `UnknownAlgorithm` (a
-    ValueError) when blank or unknown; availability is `resolve`'s business."""
+    """The canonical name for an `x-routing-method` value (docs/data-plane.md, Override
+    resolution): trimmed, ASCII-lowercased, `_` mapped to `-`, then the file's names and aliases.
+    Raises `UnknownAlgorithm` (a ValueError) when blank or unknown; availability is `resolve`'s
+    business."""
     raw = value.strip()
     canonical = _NAMES.get(raw.translate(_ASCII_LOWER))
     if canonical is None:
@@ -203,7 +205,10 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class LbConfig:
-    """The whole load-balancer configuration (§3.2). `permissive` marks the no-file default."""
+    """The whole load-balancer configuration (docs/data-plane.md, Load balancer config).
+
+    `permissive` marks the no-file default.
+    """
 
     default: AlgorithmSpec = AlgorithmSpec()
     request_algorithms: Mapping[str, AlgorithmSpec] = field(
@@ -232,7 +237,7 @@ def default_lb_config() -> LbConfig:
 
 
 def resolve(config: LbConfig, model_id: str, header_algorithm: str | None) -> AlgorithmSpec:
-    """The algorithm definition for one request (§3.3).
+    """The algorithm definition for one request (docs/data-plane.md, Override resolution).
 
     `header_algorithm` is the canonical name from `parse_algorithm_header`, or None when the
     header is absent. The model's configured algorithm C (its `models` entry, else `default`)
@@ -486,7 +491,10 @@ def _selectable_overrides(
 
 
 def parse_lb_config(data: object) -> LbConfig:
-    """Validate a decoded JSON document (§3.2). Raises `LbConfigError` naming the bad key."""
+    """Validate a decoded JSON document; raise `LbConfigError` naming the bad key.
+
+    docs/data-plane.md, Load balancer config.
+    """
     if not isinstance(data, dict):
         raise LbConfigError(
             f"<root>: load-balancer config must be a JSON object, got {_describe(data)}"
@@ -578,7 +586,7 @@ def load_lb_config(path: str | PathLike[str]) -> LbConfig:
         raise LbConfigError(f"{path}: {error}") from error
 
 
-# ---- LB instances (§3.4) ------------------------------------------------------------------------
+# ---- LB instances (docs/data-plane.md, LB instances) ---------------------------------------------
 
 
 def create_balancer(spec: AlgorithmSpec, rng: random.Random | None = None) -> LoadBalancer:
@@ -593,7 +601,9 @@ def create_balancer(spec: AlgorithmSpec, rng: random.Random | None = None) -> Lo
 
 
 class BalancerRegistry:
-    """LB instances per (target, algorithm definition), created lazily on first use (§3.4).
+    """LB instances per (target, algorithm definition), created lazily on first use.
+
+    docs/data-plane.md, LB instances.
 
     `target` is any hashable key for the routing target (the routing state's
     `RoutingTargetKey`). The routing state drops a target when its last backend goes; call

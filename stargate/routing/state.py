@@ -1,8 +1,8 @@
 """The routing state: registrations, targets, clusters and the counts derived from them.
 
-Control-plane spec §3. Every mutation runs on the trio loop and contains no `await`, so each one is
-atomic with respect to every reader without locks (§3.7). What the Rust code does with generation
-objects compared by pointer, this does with Python objects compared by `is`:
+docs/control-plane.md, "Routing state". Every mutation runs on the trio loop and contains no
+`await`, so each one is atomic with respect to every reader without locks. What the Rust code does
+with generation objects compared by pointer, this does with Python objects compared by `is`:
 
 * a `Registration` is the generation of one admitted stream; every cleanup names the exact
   generation it cleans up, so a late cleanup of an old stream can never remove a same-id
@@ -13,9 +13,10 @@ objects compared by pointer, this does with Python objects compared by `is`:
 * a target (routing key, model) that loses its last backend is dropped, so per-target state (load
   balancer memory, from the proxy) starts fresh when the target comes back.
 
-"Advertised" and "active" are different sets (§7 trap 7): every model a registration lists, in any
-status, is advertised (a request for it gets 503 rather than 404 while none is active); a model is
-active for a registration only while a backend entry is stored for it.
+"Advertised" and "active" are different sets (docs/control-plane.md, Model status): every model
+a registration lists, in any status, is advertised (a request for it gets 503 rather than 404
+while none is active); a model is active for a registration only while a backend entry is stored
+for it.
 
 When a backend entry goes (the Pylon's update, the replica's own health probe, or the end of the
 registration), `on_backend_unroutable` hears of it, so the proxy can move requests still waiting
@@ -66,7 +67,10 @@ class RoutingTargetKey:
 
 @dataclass(frozen=True, slots=True)
 class RegistrationIdentity:
-    """What a registration stream may never change after admission (spec §2.4)."""
+    """What a registration stream may never change after admission.
+
+    docs/control-plane.md, Admission.
+    """
 
     inference_server_id: str
     cluster_id: str
@@ -173,9 +177,10 @@ class TargetSnapshot:
 
 
 class Reservation:
-    """A pending request on one backend of one cluster of one target (spec §3.5): a handle for
-    `RoutingState.release`. Compared by identity. `active` turns False exactly once: on release,
-    on the backend's next heartbeat for the target, or when the backend leaves the cluster."""
+    """A pending request on one backend of one cluster of one target (docs/data-plane.md,
+    Reservations): a handle for `RoutingState.release`. Compared by identity. `active` turns False
+    exactly once: on release, on the backend's next heartbeat for the target, or when the backend
+    leaves the cluster."""
 
     __slots__ = ("_cluster", "_target", "active", "input_tokens", "priority", "registration")
 
@@ -253,7 +258,10 @@ class _Cluster:
         self.view: ClusterSnapshot | None = None  # cached base + pending; None = recompute
 
     def refresh(self) -> None:
-        """Recompute the cluster snapshot after an insert, replace or removal (spec §3.4)."""
+        """Recompute the cluster snapshot after an insert, replace or removal.
+
+        docs/control-plane.md, Cluster aggregation.
+        """
         if self.source_id not in self.backends:
             # The source left: keep latest-wins fields from the most recently updated backend.
             self.source_id = max(
@@ -356,7 +364,7 @@ class RoutingState:
         """Reserve `identity.inference_server_id` for a new stream and join its cluster.
 
         Raises `AlreadyRegistered` if a live registration has the same id, whatever its routing
-        key (spec §7 trap 2).
+        key (docs/control-plane.md, Admission).
         """
         if identity.inference_server_id in self._registrations:
             raise AlreadyRegistered(identity.inference_server_id)
@@ -440,8 +448,8 @@ class RoutingState:
     # ---- reads ----------------------------------------------------------------------------------
 
     def snapshot(self, target: RoutingTargetKey) -> TargetSnapshot | None:
-        """Every cluster of `target` now, with pending reservations applied (spec §3.5, §3.6),
-        or None if it has no active backend."""
+        """Every cluster of `target` now, with pending reservations applied, or None if it has no
+        active backend (docs/data-plane.md, Reservations and Forwarding)."""
         state = self._targets.get(target)
         if state is None:
             return None
@@ -473,7 +481,8 @@ class RoutingState:
         return 0 if state is None else state.active_backend_count
 
     def total_active_backend_count(self) -> int:
-        """Sum of active backend counts over every target and routing key (spec §3.8).
+        """Sum of active backend counts over every target and routing key (docs/control-plane.md,
+        Total active backend count).
 
         One unit is one routable (registration, routing key, model) triple: not a count of
         distinct Pylons or streams. This is what the readiness sampler reads.
@@ -485,7 +494,7 @@ class RoutingState:
     ) -> list[str]:
         """Model ids with an active backend under exactly `routing_key`, sorted and unique.
 
-        With `model_ids`, only those ids are looked up (spec §2.11).
+        With `model_ids`, only those ids are looked up (docs/control-plane.md, ListModels).
         """
         if model_ids:
             wanted: Iterable[str] = set(model_ids)
@@ -498,7 +507,7 @@ class RoutingState:
         """Model ids with an active backend under any routing key, sorted and unique."""
         return sorted({target.model_id for target in self._targets})
 
-    # ---- reservations (spec §3.5) ---------------------------------------------------------------
+    # ---- reservations (docs/data-plane.md, Reservations) ----------------------------------------
 
     def reserve(
         self,
@@ -564,7 +573,7 @@ class RoutingState:
                 cluster.release_all()
             cluster = state.clusters[identity.cluster_id] = _Cluster(registration.cluster)
         else:
-            # A new heartbeat from this backend supersedes its reservations (spec §3.5).
+            # A new heartbeat from this backend supersedes its reservations (docs/data-plane.md).
             cluster.release_backend(identity.inference_server_id)
         cluster.backends[identity.inference_server_id] = BackendSnapshot(
             registration, route.stats, route.rtt_ns, route.received_at

@@ -2,8 +2,9 @@
 
 `ModelStats` mirrors the `stargate.ModelStats` protobuf message field for field, as an immutable
 value the routing state can share with readers; the control plane converts the wire message.
-Aggregation follows control-plane spec §3.4: some fields are summed over the cluster's backends,
-others are taken whole from one "source" backend (the one updated last), and RTT is the mean.
+Aggregation follows docs/control-plane.md, "Cluster aggregation": some fields are summed over the
+cluster's backends, others are taken whole from one "source" backend (the one updated last), and
+RTT is the mean.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _union(groups: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
 
 
 def aggregate_stats(backends: Sequence[ModelStats], source: ModelStats) -> ModelStats:
-    """A cluster's statistics from its backends' (spec §3.4).
+    """A cluster's statistics from its backends' (docs/control-plane.md, Cluster aggregation).
 
     Summed: output TPS, queue sizes and the two query counters; `last_mean_input_tps` only over
     backends reporting a finite positive value; the observation time is the newest. Latest-wins
@@ -95,7 +96,9 @@ def mean_rtt_seconds(rtts_ns: Sequence[int]) -> float:
 
 
 def reservation_delta_ms(input_tokens: int, last_mean_input_tps: float) -> int | None:
-    """The queue time one pending request adds: ceil(tokens / tps * 1000) ms (spec §3.5).
+    """The queue time one pending request adds: ceil(tokens / tps * 1000) ms.
+
+    docs/data-plane.md, Reservations.
 
     0 for no tokens (whatever the TPS); None when the TPS is not finite and positive or the result
     is not representable as a u64. (The same rule as `balancers.queue_time_delta_ms`, kept here so
@@ -129,7 +132,8 @@ def apply_reservations(
     *,
     totals: tuple[int, int] | None = None,
 ) -> ModelStats:
-    """`base` with pending reservations, each (input tokens, priority), applied on top (§3.5).
+    """`base` with pending reservations, each (input tokens, priority), applied on top
+    (docs/data-plane.md, Reservations).
 
     Per reservation: queue size and running queries +1, queued input and total query input
     +tokens (both saturating at u64), and the per-priority queue map rule (a no-op when the cluster

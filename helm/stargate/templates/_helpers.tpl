@@ -101,7 +101,7 @@ Render-time guards (fail early instead of producing a broken release).
 {{- fail "podDisruptionBudget: set exactly one of maxUnavailable and minAvailable" }}
 {{- end }}
 {{- end }}
-{{- /* minReadySeconds must cover the warmup stability window (anchors: Istio #21228). */}}
+{{- /* minReadySeconds must cover the warmup stability window (docs/decisions.md, D2; Istio #21228). */}}
 {{- $r := .Values.readiness }}
 {{- $warmup := ternary 60000 $r.warmupMs (kindIs "invalid" $r.warmupMs) | int64 }}
 {{- $interval := ternary 1000 $r.warmupSampleIntervalMs (kindIs "invalid" $r.warmupSampleIntervalMs) | int64 }}
