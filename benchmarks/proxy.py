@@ -44,6 +44,8 @@ from typing import IO, Any
 import h11
 import trio
 
+from benchmarks.h11_client import read_response
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
 TOKENS = 50
@@ -145,25 +147,12 @@ class _Client:
             + (conn.send(h11.Data(data=body)) or b"")
             + (conn.send(h11.EndOfMessage()) or b"")
         )
-        status = 0
-        parts: list[bytes] = []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                parts.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                raise ConnectionError("the server closed the connection mid-response")
+        status, answer = await read_response(conn, stream)
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
             conn.start_next_cycle()
         else:  # the server will close: start afresh next time
             await self.close()
-        return status, b"".join(parts)
+        return status, answer
 
 
 @dataclass

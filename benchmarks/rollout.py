@@ -67,6 +67,8 @@ import openai
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
+from benchmarks.h11_client import read_response
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "rollout-model"
 CHAT_PATH = "/v1/chat/completions"
@@ -382,21 +384,7 @@ async def http_get(port: int, path: str, seconds: float) -> tuple[int, bytes] | 
             await stream.send_all(
                 (conn.send(request) or b"") + (conn.send(h11.EndOfMessage()) or b"")
             )
-            status = 0
-            parts: list[bytes] = []
-            for _ in range(10_000):
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(65536))
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    parts.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    return status, b"".join(parts)
-                elif isinstance(event, h11.ConnectionClosed):
-                    return None
-            return None
+            return await read_response(conn, stream)
     except (OSError, trio.TooSlowError, trio.BrokenResourceError, h11.ProtocolError):
         return None
     finally:
