@@ -7,10 +7,11 @@ prefix) happens here, so bad input fails before anything is bound or started.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from stargate.addresses import AddressError, AddressProblem, format_host_port, parse_host_port
 
 __all__ = [
     "ConfigError",
@@ -38,9 +39,7 @@ class ListenAddress:
     port: int
 
     def __str__(self) -> str:
-        if ":" in self.host:
-            return f"[{self.host}]:{self.port}"
-        return f"{self.host}:{self.port}"
+        return format_host_port(self.host, self.port)
 
 
 def parse_listen_address(text: str) -> ListenAddress:
@@ -49,21 +48,22 @@ def parse_listen_address(text: str) -> ListenAddress:
     Host names are refused: a listener binds to an interface address, and resolving a name at
     start-up would hide which interface was meant.
     """
-    value = text.strip()
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not port_text:
-        raise ConfigError(f"{text!r} is not an IP:PORT socket address (e.g. 0.0.0.0:8000)")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ConfigError(f"{text!r}: an IPv6 address must be written in brackets, e.g. [::]:8000")
     try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        raise ConfigError(f"{text!r}: {host!r} is not an IP address") from None
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"{text!r}: port must be a number from 0 to 65535")
-    return ListenAddress(host=str(ip), port=int(port_text))
+        address = parse_host_port(text.strip(), names=False, min_port=0, ipv4_in_brackets=True)
+    except AddressError as error:
+        problems = error.problems
+        if AddressProblem.SYNTAX in problems:
+            raise ConfigError(
+                f"{text!r} is not an IP:PORT socket address (e.g. 0.0.0.0:8000)"
+            ) from None
+        if AddressProblem.BRACKETS in problems:
+            raise ConfigError(
+                f"{text!r}: an IPv6 address must be written in brackets, e.g. [::]:8000"
+            ) from None
+        if AddressProblem.HOST in problems:
+            raise ConfigError(f"{text!r}: {error.host!r} is not an IP address") from None
+        raise ConfigError(f"{text!r}: port must be a number from 0 to 65535") from None
+    return ListenAddress(host=address.host, port=address.port)
 
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -135,7 +135,14 @@ class DiscoverySettings:
     Modes: a DNS name polled every `dns_poll_ms` (in Kubernetes, the headless Service), a static
     `peers` list, or this replica alone (`disable_dns_discovery`, or neither of the others set).
     Static peers are health-checked every `dns_poll_ms` and left out of `WatchStargates` once they
-    have not answered for `peer_absent_after_ms` (0: never checked, always listed).
+    have not answered for `peer_absent_after_ms` (0: never checked, always listed). Its default
+    here is 0, so settings built in code (tests) touch no network; `stargate serve` (and
+    `ServeConfig`'s default) uses the flag's default, 30 s.
+
+    The one validation of these settings; `dns_name` and `grpc_pylon_dial_addr` are stored trimmed,
+    with "" turned into None. What needs this replica's own addresses (the DNS name's syntax, each
+    peer, folding self out of the peer list) is checked where they are known:
+    `stargate.control_plane.discovery.DiscoveryConfig`.
     """
 
     dns_name: str | None = None
@@ -145,19 +152,29 @@ class DiscoverySettings:
     watch_heartbeat_ms: int = 5_000
     remote_stargate_urls: tuple[str, ...] = ()
     grpc_pylon_dial_addr: str | None = None
-    peer_absent_after_ms: int = 30_000
+    peer_absent_after_ms: int = 0
 
     def __post_init__(self) -> None:
+        set_ = object.__setattr__  # canonicalisation of a frozen dataclass
+        set_(self, "dns_name", (self.dns_name or "").strip() or None)
+        set_(self, "peers", tuple(self.peers))
+        set_(self, "remote_stargate_urls", tuple(self.remote_stargate_urls))
+        set_(self, "grpc_pylon_dial_addr", (self.grpc_pylon_dial_addr or "").strip() or None)
         if self.dns_poll_ms <= 0:
-            raise ConfigError("dns poll interval must be greater than 0")
+            raise ConfigError("DNS poll interval (--dns-poll-ms) must be greater than 0")
         if self.watch_heartbeat_ms < 0:
-            raise ConfigError("watch heartbeat must not be negative")
+            raise ConfigError("watch heartbeat (--watch-heartbeat-ms) must not be negative")
         if self.peer_absent_after_ms < 0:
-            raise ConfigError("peer absence must not be negative")
+            raise ConfigError("peer absence (--peer-absent-after-ms) must not be negative")
         if self.disable_dns_discovery and self.peers:
             raise ConfigError("--peer cannot be combined with --disable-dns-discovery")
         if self.dns_name and self.peers:
             raise ConfigError("--peer cannot be combined with --stargate-discovery-dns-name")
+
+
+def _serve_discovery_settings() -> DiscoverySettings:
+    """`ServeConfig`'s default: the `stargate serve` flags' defaults."""
+    return DiscoverySettings(peer_absent_after_ms=30_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +257,7 @@ class ServeConfig:
     shutdown_delay_ms: int = 5_000
     shutdown_drain_timeout_ms: int = 30_000
     warmup: WarmupConfig = WarmupConfig()
-    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    discovery: DiscoverySettings = field(default_factory=_serve_discovery_settings)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     pools: PoolSettings = field(default_factory=PoolSettings)

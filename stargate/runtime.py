@@ -174,7 +174,6 @@ class Replica:
                 probe_timeout=control.health_check_timeout_ms / 1000,
             ),
             RegistrationSettings(control.idle_timeout_ms, control.max_idle_timeout_ms),
-            on_backend_healthy=self.router.backend_healthy,
         )
         self.publisher: WatchPublisher | None = None
         self.bound: BoundAddresses | None = None
@@ -591,19 +590,11 @@ def _discovery_config(config: ServeConfig, bound: BoundAddresses) -> DiscoveryCo
         if ipaddress.ip_address(host).is_unspecified:
             host = _host_address()
         advertise = ListenAddress(host, bound.grpc.port)
-    settings = config.discovery
     return DiscoveryConfig(
         stargate_id=config.stargate_id,
         advertise_addr=str(advertise),
         http_advertise_addr=str(ListenAddress(advertise.host, bound.http.port)),
-        dns_name=settings.dns_name,
-        peers=settings.peers,
-        disable_dns_discovery=settings.disable_dns_discovery,
-        dns_poll_ms=settings.dns_poll_ms,
-        watch_heartbeat_ms=settings.watch_heartbeat_ms,
-        remote_stargate_urls=settings.remote_stargate_urls,
-        grpc_pylon_dial_addr=settings.grpc_pylon_dial_addr,
-        peer_absent_after_ms=settings.peer_absent_after_ms,
+        settings=config.discovery,
     )
 
 

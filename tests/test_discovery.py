@@ -21,6 +21,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
+from stargate.config import DiscoverySettings
 from stargate.control_plane.discovery import (
     DiscoveryConfig,
     DiscoveryMode,
@@ -59,7 +60,10 @@ def make_config(**overrides: Any) -> DiscoveryConfig:
         "watch_heartbeat_ms": 60_000,
     }
     settings.update(overrides)
-    return DiscoveryConfig(**settings)
+    own = {
+        key: settings.pop(key) for key in ("stargate_id", "advertise_addr", "http_advertise_addr")
+    }
+    return DiscoveryConfig(**own, settings=DiscoverySettings(**settings))
 
 
 def ids(snapshot: WatchSnapshot | None) -> list[str]:
@@ -328,19 +332,19 @@ def test_config_validation(overrides: dict[str, Any], message: str) -> None:
 def test_config_modes_and_canonical_values() -> None:
     dns = make_config(grpc_pylon_dial_addr="  ", remote_stargate_urls=["r:1"])
     assert dns.mode is DiscoveryMode.DNS
-    assert dns.grpc_pylon_dial_addr is None
-    assert dns.remote_stargate_urls == ("r:1",)
+    assert dns.settings.grpc_pylon_dial_addr is None
+    assert dns.settings.remote_stargate_urls == ("r:1",)
     disabled = make_config(disable_dns_discovery=True)
     assert disabled.mode is DiscoveryMode.SELF_ONLY
-    assert disabled.dns_name == DNS_NAME  # still used to filter remote URLs
+    assert disabled.settings.dns_name == DNS_NAME  # still used to filter remote URLs
     assert not disabled.implicit_self_only
     nothing = make_config(dns_name="  ")
-    assert nothing.dns_name is None
+    assert nothing.settings.dns_name is None
     assert nothing.mode is DiscoveryMode.SELF_ONLY
     assert nothing.implicit_self_only
     peers = make_config(dns_name=None, peers=["10.0.0.2:1"], grpc_pylon_dial_addr=" lb:1 ")
     assert peers.mode is DiscoveryMode.PEERS
-    assert peers.grpc_pylon_dial_addr == "lb:1"
+    assert peers.settings.grpc_pylon_dial_addr == "lb:1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -686,7 +690,7 @@ def test_peer_monitor_logs_only_transitions(caplog: pytest.LogCaptureFixture) ->
 def test_peer_absence_config_validation() -> None:
     with pytest.raises(ValueError, match="--peer-absent-after-ms"):
         peer_config(peer_absent_after_ms=-1)
-    assert make_config().peer_absent_after_ms == 0  # built in code: static means static
+    assert make_config().settings.peer_absent_after_ms == 0  # built in code: static means static
     assert WatchPublisher(make_config(peer_absent_after_ms=5000)).peer_health is None  # DNS mode
 
 

@@ -36,7 +36,6 @@ from hypercorn.config import Config as HypercornConfig
 from stargate.config import ListenAddress, WarmupConfig
 from stargate.control_plane.auth import OpenAuthenticator
 from stargate.control_plane.discovery import DiscoveryConfig, WatchPublisher
-from stargate.control_plane.grpc import GrpcError, GrpcStatus, RpcContext
 from stargate.control_plane.grpc_health import (
     HEALTH_SERVICE,
     NOT_SERVING,
@@ -54,6 +53,7 @@ from stargate.control_plane.reflection import (
 )
 from stargate.control_plane.registration import RegistrationService
 from stargate.control_plane.services import control_plane_app, model_discovery_app
+from stargate.grpc_asgi import GrpcError, GrpcStatus, RpcContext
 from stargate.protocol import stargate_pb2 as pb
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState

@@ -1,4 +1,4 @@
-"""The gRPC server (`stargate.control_plane.grpc`) on a real Hypercorn trio server, real clock.
+"""The gRPC server (`stargate.grpc_asgi`) on a real Hypercorn trio server, real clock.
 
 Clients are the real grpcio client (its blocking API, run in worker threads), a grpcio client in a
 subprocess that gets killed, and a raw `h2` client for inputs grpcio cannot produce (truncated
@@ -27,9 +27,9 @@ import pytest
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from stargate import grpc_asgi as grpc_server
 from stargate.config import ListenAddress
-from stargate.control_plane import grpc as grpc_server
-from stargate.control_plane.grpc import (
+from stargate.grpc_asgi import (
     GrpcApp,
     GrpcError,
     GrpcMethod,
@@ -494,7 +494,7 @@ async def test_grpc_error_becomes_its_status_with_a_percent_encoded_message() ->
 async def test_unexpected_exception_is_unknown_and_logged_and_sent_messages_stay_sent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="stargate.control_plane.grpc")
+    caplog.set_level(logging.ERROR, logger="stargate.grpc_asgi")
     async with serving(GrpcApp(Handlers().methods())) as target:
         with grpc.insecure_channel(target) as channel:
             discovery = pb_grpc.StargateModelDiscoveryStub(channel)
@@ -510,7 +510,7 @@ async def test_unexpected_exception_is_unknown_and_logged_and_sent_messages_stay
             responses, error = await in_thread(lambda: _collect(call))
     assert len(responses) == 2
     assert error is not None and error.code() == grpc.StatusCode.UNKNOWN
-    logged = [r for r in caplog.records if r.name == "stargate.control_plane.grpc"]
+    logged = [r for r in caplog.records if r.name == "stargate.grpc_asgi"]
     assert len(logged) == 2
     assert all(r.exc_info is not None for r in logged)
     assert LIST_MODELS in logged[0].getMessage()
@@ -662,7 +662,7 @@ async def test_a_client_that_ignores_the_status_is_closed_after_a_linger(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(grpc_server, "LINGER_SECONDS", 0.2)
-    caplog.set_level(logging.WARNING, logger="stargate.control_plane.grpc")
+    caplog.set_level(logging.WARNING, logger="stargate.grpc_asgi")
     async with serving(GrpcApp(Handlers().methods())) as target:
         async with H2Client.connect(target) as client:
             client.request("/no.Such/Method", [frame(b"")], end_stream=False)

@@ -35,7 +35,7 @@ from hypercorn.protocol.http_stream import HTTPStream
 
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.config import ListenAddress
-from stargate.control_plane.grpc import GrpcApp, RpcContext, unary_unary
+from stargate.grpc_asgi import GrpcApp, RpcContext, unary_unary
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi

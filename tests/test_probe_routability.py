@@ -16,9 +16,9 @@ from trio.testing import MockClock
 
 from stargate.config import ProxyConfig
 from stargate.control_plane.auth import OpenAuthenticator
-from stargate.control_plane.grpc import RequestStream, RpcContext
 from stargate.control_plane.health import HealthMonitor, ProbeFailed, ProbeVerdict
 from stargate.control_plane.registration import RegistrationService, RegistrationSettings
+from stargate.grpc_asgi import RequestStream, RpcContext
 from stargate.metrics import ProxyMetrics
 from stargate.protocol import stargate_pb2 as pb
 from stargate.proxy.contract import ProxyRequest
@@ -219,15 +219,10 @@ async def test_a_failed_probe_unroutes_at_once_and_updates_cannot_reenable_it(
     autojump_clock: MockClock,
 ) -> None:
     heard = Unroutable()
-    healthy: list[str] = []
     state = RoutingState(on_backend_unroutable=heard)
     probe = ScriptedProbe(1_000)
     service = RegistrationService(
-        state,
-        OpenAuthenticator(),
-        probe,
-        RegistrationSettings(idle_timeout_ms=0),
-        on_backend_healthy=healthy.append,
+        state, OpenAuthenticator(), probe, RegistrationSettings(idle_timeout_ms=0)
     )
     message = registration("a", "http://127.0.0.1:1", ["m"])
     async with trio.open_nursery() as nursery:
@@ -244,11 +239,14 @@ async def test_a_failed_probe_unroutes_at_once_and_updates_cannot_reenable_it(
 
         await _exchange(stream, message)  # the Pylon still says ACTIVE: the probe overrides it
         assert state.snapshot(M) is None
+        state.demote("a")  # as the proxy does on a refused connection
+        await trio.sleep(1.5)
+        assert state.is_demoted("a")  # a failing probe lifts nothing
 
         probe.set(2_000)
         await _until(lambda: state.snapshot(M) is not None)
         assert _rtt(state) == 2_000  # restored with the fresh RTT, no update needed
-        assert set(healthy) == {"a"}  # every pass lifts a connect-failure demotion
+        assert not state.is_demoted("a")  # every pass lifts a connect-failure demotion
 
         await stream.send.aclose()  # the Pylon ends the stream: the routes go, and it is said
     assert not state.is_advertised(M)
@@ -445,7 +443,7 @@ async def test_an_attempt_waiting_on_a_backend_made_unroutable_moves_to_another(
     attempt = {"inference_server_id": "a", "result": "proxy_backend_unroutable", **labels}
     assert setup.sample("proxy_attempts_total", **attempt) == 1
     assert setup.sample("proxy_retries_total", reason="backend_unroutable", **labels) == 1
-    assert "a" not in setup.router.demoted  # the control plane took it out, not a refusal
+    assert not setup.state.is_demoted("a")  # the control plane took it out, not a refusal
     assert len(setup.router.head_waits) == 0
 
 

@@ -262,3 +262,61 @@ def test_registration_repr_names_the_id() -> None:
     reg = state.begin(_identity("pylon-1"))
     assert isinstance(reg, Registration)
     assert "pylon-1" in repr(reg)
+
+
+def test_demote_and_restore_are_by_id_and_idempotent() -> None:
+    state = RoutingState()
+    assert not state.any_demoted
+    assert state.demoted == frozenset()
+    state.demote("a")
+    state.demote("a")
+    state.demote("b")
+    assert state.any_demoted
+    assert state.is_demoted("a")
+    assert state.demoted == {"a", "b"}
+    state.restore("a")
+    assert not state.is_demoted("a")
+    assert state.is_demoted("b")
+    state.restore("a")  # restoring what is not demoted is a no-op
+    state.restore("never-seen")
+    assert state.demoted == {"b"}
+    state.restore("b")
+    assert not state.any_demoted
+
+
+def test_demotion_changes_no_snapshot_count_or_listing() -> None:
+    events = Recorder()
+    state = RoutingState(events)
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"m": _route()})
+    before = state.snapshot(_target("m"))
+    state.demote("pylon-1")
+    assert state.snapshot(_target("m")) is before  # still a candidate: the proxy skips it
+    assert state.total_active_backend_count() == 1
+    assert state.list_models(None) == ["m"]
+    assert events.events == [(_target("m"), 1)]  # no count change published
+    state.restore("pylon-1")
+    assert state.snapshot(_target("m")) is before
+
+
+def test_demotion_outlives_the_registration_until_restored() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1"))
+    state.apply(reg, {"m": _route()})
+    state.demote("pylon-1")
+    state.end(reg)
+    assert state.is_demoted("pylon-1")  # only a passing probe lifts it
+    again = state.begin(_identity("pylon-1"))
+    state.apply(again, {"m": _route()})
+    assert state.is_demoted("pylon-1")
+    state.restore("pylon-1")
+    assert not state.any_demoted
+
+
+def test_the_demoted_view_is_a_copy() -> None:
+    state = RoutingState()
+    state.demote("a")
+    view = state.demoted
+    state.restore("a")
+    assert view == {"a"}
+    assert state.demoted == frozenset()

@@ -13,7 +13,7 @@ import logging
 import re
 from urllib.parse import urlsplit
 
-from stargate.control_plane.grpc import GrpcError, GrpcStatus
+from stargate.grpc_asgi import GrpcError, GrpcStatus
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity
 

@@ -30,15 +30,22 @@ import enum
 import ipaddress
 import logging
 import math
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import trio
 
-from stargate.config import ConfigError, parse_listen_address
+from stargate.addresses import (
+    AddressError,
+    AddressProblem,
+    canonical_host,
+    format_host_port,
+    is_host_name,
+    parse_host_port,
+)
+from stargate.config import ConfigError, DiscoverySettings, parse_listen_address
 from stargate.control_plane.peer_health import (
     DEFAULT_PEER_CHECK_TIMEOUT_MS,
     PeerChecker,
@@ -129,49 +136,31 @@ class DiscoveryMode(enum.Enum):
 # Address helpers
 
 
-_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\.?$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
-
-
-def _format_host_port(host: str, port: int) -> str:
-    """`host:port`, with an IPv6 literal in brackets as every URL and authority needs it."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _canonical_host(host: str) -> str:
-    """Lower-case, without a trailing dot; IP literals in their compressed canonical form."""
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        return host.rstrip(".").lower()
-
-
 def _parse_authority(text: str, what: str) -> str:
     """Canonical `host:port` of a peer address; the host may be an IP literal or a DNS name.
 
     Peers may be host names (unlike `--advertise-addr`) because a Pylon only uses the address as
     a gRPC authority and dial target, and static deployments usually name their hosts.
     """
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text:
-        raise ConfigError(f"{what} {text!r} is not HOST:PORT (e.g. 10.0.0.2:50071)")
-    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
-        raise ConfigError(f"{what} {text!r}: port must be a number from 1 to 65535")
-    port = int(port_text)
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return _format_host_port(str(ipaddress.IPv6Address(host[1:-1])), port)
-        except ValueError:
-            raise ConfigError(f"{what} {text!r}: {host!r} is not an IPv6 address") from None
-    if ":" in host:
-        raise ConfigError(f"{what} {text!r}: an IPv6 address must be written in brackets")
     try:
-        return _format_host_port(str(ipaddress.IPv4Address(host)), port)
-    except ValueError:
-        pass
-    if not _HOSTNAME.match(host):
-        raise ConfigError(f"{what} {text!r}: {host!r} is neither an IP address nor a host name")
-    return _format_host_port(_canonical_host(host), port)
+        return str(parse_host_port(text, names=True, min_port=1))
+    except AddressError as error:
+        problems = error.problems
+        if AddressProblem.SYNTAX in problems:
+            raise ConfigError(f"{what} {text!r} is not HOST:PORT (e.g. 10.0.0.2:50071)") from None
+        if AddressProblem.PORT in problems:
+            raise ConfigError(f"{what} {text!r}: port must be a number from 1 to 65535") from None
+        if error.bracketed:
+            raise ConfigError(
+                f"{what} {text!r}: {f'[{error.host}]'!r} is not an IPv6 address"
+            ) from None
+        if AddressProblem.BRACKETS in problems:
+            raise ConfigError(
+                f"{what} {text!r}: an IPv6 address must be written in brackets"
+            ) from None
+        raise ConfigError(
+            f"{what} {text!r}: {error.host!r} is neither an IP address nor a host name"
+        ) from None
 
 
 def _advertise_address(text: str, what: str) -> str:
@@ -212,13 +201,15 @@ def parse_peer(text: str) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
-    """What the `WatchStargates` publisher needs, validated so that bad input fails at start-up.
+    """What the `WatchStargates` publisher needs: the discovery settings (validated on their own,
+    `stargate.config.DiscoverySettings`) plus this replica's id and bound addresses, checked
+    together so that bad input fails at start-up.
 
     Mode selection (see `mode`):
 
     * `peers` given: static peer list. Combining it with `dns_name` or `disable_dns_discovery` is
-      an error: the operator asked for two different replica lists and we would silently ignore
-      one of them.
+      an error (raised by the settings): the operator asked for two different replica lists and
+      we would silently ignore one of them.
     * `disable_dns_discovery`: self only. A `dns_name` may still be given (Helm always passes
       it); it then only serves to filter this replica out of the remote watch URLs, as in Rust.
     * `dns_name` set: DNS polling.
@@ -227,27 +218,15 @@ class DiscoveryConfig:
       that forgot its discovery name is visible (`implicit_self_only`).
 
     Addresses are stored canonically (`advertise_addr` and `http_advertise_addr` as `IP:port`
-    with IPv6 in brackets, `grpc_pylon_dial_addr` trimmed with "" turned into None, `dns_name`
-    trimmed with "" turned into None), so equality checks against discovered IPs are exact.
+    with IPv6 in brackets), so equality checks against discovered IPs are exact.
     `advertise_addr` must carry the real port: build this config after the gRPC listener is
     bound when `--listen-addr` uses port 0.
-
-    `peer_absent_after_ms` (static peers only): > 0 health-checks every peer and leaves out one
-    that has not answered for that long; 0 never checks. Its default here is 0, so a config built
-    in code (tests) touches no network; `stargate serve` passes the flag, default 30 s.
     """
 
     stargate_id: str
     advertise_addr: str
     http_advertise_addr: str = ""
-    dns_name: str | None = None
-    peers: tuple[str, ...] = ()
-    disable_dns_discovery: bool = False
-    dns_poll_ms: int = 1000
-    watch_heartbeat_ms: int = 5000
-    remote_stargate_urls: tuple[str, ...] = ()
-    grpc_pylon_dial_addr: str | None = None
-    peer_absent_after_ms: int = 0
+    settings: DiscoverySettings = field(default_factory=DiscoverySettings)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # canonicalisation of a frozen dataclass
@@ -262,44 +241,29 @@ class DiscoveryConfig:
             )
         else:
             set_(self, "http_advertise_addr", "")
-        dns_name = (self.dns_name or "").strip() or None
-        if dns_name is not None and not _HOSTNAME.match(dns_name):
+        dns_name = self.settings.dns_name
+        if dns_name is not None and not is_host_name(dns_name):
             raise ConfigError(
-                f"discovery DNS name {self.dns_name!r} is not a host name "
+                f"discovery DNS name {dns_name!r} is not a host name "
                 "(give the name only, without scheme or port)"
             )
-        set_(self, "dns_name", dns_name)
-        set_(self, "peers", tuple(self.peers))
-        set_(self, "remote_stargate_urls", tuple(self.remote_stargate_urls))
-        set_(self, "grpc_pylon_dial_addr", (self.grpc_pylon_dial_addr or "").strip() or None)
-        if self.dns_poll_ms <= 0:
-            raise ConfigError("DNS poll interval (--dns-poll-ms) must be greater than 0")
-        if self.watch_heartbeat_ms < 0:
-            raise ConfigError("watch heartbeat (--watch-heartbeat-ms) must not be negative")
-        if self.peer_absent_after_ms < 0:
-            raise ConfigError("peer absence (--peer-absent-after-ms) must not be negative")
-        if self.peers:
-            if self.disable_dns_discovery:
-                raise ConfigError("--peer cannot be combined with --disable-dns-discovery")
-            if self.dns_name is not None:
-                raise ConfigError(
-                    "--peer cannot be combined with --stargate-discovery-dns-name; "
-                    "choose static peers or DNS discovery"
-                )
+        if self.settings.peers:
             _merge_peers(self)  # raises on malformed or conflicting peers
 
     @property
     def mode(self) -> DiscoveryMode:
-        if self.peers:
+        settings = self.settings
+        if settings.peers:
             return DiscoveryMode.PEERS
-        if self.disable_dns_discovery or self.dns_name is None:
+        if settings.disable_dns_discovery or settings.dns_name is None:
             return DiscoveryMode.SELF_ONLY
         return DiscoveryMode.DNS
 
     @property
     def implicit_self_only(self) -> bool:
         """Self only because nothing was configured, rather than by `--disable-dns-discovery`."""
-        return not self.peers and not self.disable_dns_discovery and self.dns_name is None
+        settings = self.settings
+        return not (settings.peers or settings.disable_dns_discovery or settings.dns_name)
 
     @property
     def advertise_port(self) -> int:
@@ -322,7 +286,7 @@ def _merge_peers(config: DiscoveryConfig) -> dict[str, str]:
     """
     merged: dict[str, str] = {}
     owner_of_id: dict[str, str] = {}
-    for text in config.peers:
+    for text in config.settings.peers:
         peer_id, address = parse_peer(text)
         if address == config.advertise_addr:
             if peer_id and peer_id != config.stargate_id:
@@ -364,12 +328,12 @@ def _endpoint(text: str) -> tuple[str | None, str]:
         return None, text.lower()
     if not host:
         return None, text.lower()
-    host = _canonical_host(host)
+    host = canonical_host(host)
     if port is None:
         port = {"http": 80, "https": 443}.get(parts.scheme.lower())
     if port is None:
         return host, f"[{host}]" if ":" in host else host
-    return host, _format_host_port(host, port)
+    return host, format_host_port(host, port)
 
 
 def normalize_remote_urls(
@@ -391,7 +355,7 @@ def normalize_remote_urls(
     self_keys = {_endpoint(address.strip())[1] for address in self_addresses if address.strip()}
     own_hosts: set[str] = set()
     if dns_name and dns_name.strip():
-        name = _canonical_host(dns_name.strip())
+        name = canonical_host(dns_name.strip())
         own_hosts = {name, name.replace("-headless.", ".")}
     kept: dict[str, str] = {}
     for value in urls:
@@ -460,7 +424,7 @@ def dns_entries(ips: Iterable[str], *, config: DiscoveryConfig) -> list[Stargate
         except ValueError:
             log.debug("ignoring unparseable DNS address %r", text)
             continue
-        address = _format_host_port(str(ip), port)
+        address = format_host_port(str(ip), port)
         if address in seen or ip.is_loopback or ip.is_unspecified:
             continue
         seen.add(address)
@@ -560,20 +524,20 @@ class WatchPublisher:
             raise ValueError("DNS resolve timeout must be greater than 0")
         self._config = config
         self._peer_health: PeerHealthMonitor | None = None
-        if config.mode is DiscoveryMode.PEERS and config.peer_absent_after_ms > 0:
+        if config.mode is DiscoveryMode.PEERS and config.settings.peer_absent_after_ms > 0:
             self._peer_health = PeerHealthMonitor(
                 _merge_peers(config),
-                absent_after_ms=config.peer_absent_after_ms,
-                interval_ms=config.dns_poll_ms,
+                absent_after_ms=config.settings.peer_absent_after_ms,
+                interval_ms=config.settings.dns_poll_ms,
                 checker=peer_checker,
                 check_timeout_ms=peer_check_timeout_ms,
             )
         self._resolver = resolver
         self._resolve_timeout_s = resolve_timeout_ms / 1000
         self._remote_urls = normalize_remote_urls(
-            config.remote_stargate_urls,
+            config.settings.remote_stargate_urls,
             self_addresses=(config.advertise_addr,),
-            dns_name=config.dns_name,
+            dns_name=config.settings.dns_name,
         )
         self._snapshot: WatchSnapshot | None = None
         self._version = 0
@@ -660,7 +624,7 @@ class WatchPublisher:
         snapshot = build_snapshot(
             entries,
             remote_urls=self._remote_urls,
-            grpc_pylon_dial_addr=config.grpc_pylon_dial_addr,
+            grpc_pylon_dial_addr=config.settings.grpc_pylon_dial_addr,
         )
         return self._announced(snapshot)
 
@@ -672,17 +636,17 @@ class WatchPublisher:
         WARNING is logged once per failure streak so a DNS outage does not flood the log.
         """
         config = self._config
-        assert config.dns_name is not None
+        assert config.settings.dns_name is not None
         try:
             with trio.fail_after(self._resolve_timeout_s):
-                ips = await self._resolver(config.dns_name)
+                ips = await self._resolver(config.settings.dns_name)
         except (OSError, trio.TooSlowError) as exc:
             if not self._dns_failing:
                 self._dns_failing = True
                 reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                 log.warning(
                     "DNS lookup of %r failed (%s); publishing only this replica until it succeeds",
-                    config.dns_name,
+                    config.settings.dns_name,
                     reason,
                 )
             return [config.self_entry]
@@ -691,7 +655,7 @@ class WatchPublisher:
             self._dns_failing = False
             log.info(
                 "DNS lookup of %r succeeded again; publishing %d replica(s)",
-                config.dns_name,
+                config.settings.dns_name,
                 len(entries),
             )
         return entries
@@ -707,8 +671,8 @@ class WatchPublisher:
         if config.mode is DiscoveryMode.DNS:
             log.info(
                 "WatchStargates discovery: DNS name %r polled every %d ms",
-                config.dns_name,
-                config.dns_poll_ms,
+                config.settings.dns_name,
+                config.settings.dns_poll_ms,
             )
         elif config.mode is DiscoveryMode.PEERS:
             peers = len(_merge_peers(config))  # this replica, if listed, is not a peer
@@ -717,8 +681,8 @@ class WatchPublisher:
                     "WatchStargates discovery: %d static peer(s), health-checked every %d ms, "
                     "left out after %d ms without an answer",
                     peers,
-                    config.dns_poll_ms,
-                    config.peer_absent_after_ms,
+                    config.settings.dns_poll_ms,
+                    config.settings.peer_absent_after_ms,
                 )
             else:
                 log.info("WatchStargates discovery: %d static peer(s)", peers)
@@ -750,7 +714,7 @@ class WatchPublisher:
             return
         self._log_mode()
         config = self._config
-        interval_s = config.dns_poll_ms / 1000
+        interval_s = config.settings.dns_poll_ms / 1000
         started = False
         try:
             with trio.CancelScope() as scope:
@@ -767,8 +731,10 @@ class WatchPublisher:
                         if should_publish(
                             self._snapshot,
                             snapshot,
-                            since_last_ms=None if since is None else since * config.dns_poll_ms,
-                            heartbeat_ms=config.watch_heartbeat_ms,
+                            since_last_ms=None
+                            if since is None
+                            else since * config.settings.dns_poll_ms,
+                            heartbeat_ms=config.settings.watch_heartbeat_ms,
                         ):
                             self._publish(snapshot)
                             published_tick = tick

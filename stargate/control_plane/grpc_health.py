@@ -29,7 +29,7 @@ from typing import Protocol
 import trio
 from grpc_health.v1 import health_pb2
 
-from stargate.control_plane.grpc import (
+from stargate.grpc_asgi import (
     GrpcError,
     GrpcMethod,
     GrpcStatus,

@@ -125,7 +125,8 @@ class ProbeVerdict:
 class HealthMonitor:
     """The latest health sample of one registration's backend.
 
-    `on_healthy` runs after every passing probe (it lifts the proxy's connect-failure demotion);
+    `on_healthy` runs after every passing probe (it lifts the routing state's connect-failure
+    demotion);
     `on_verdict(routable)` runs after each change of the verdict, so the registration can make
     the backend unroutable, or routable again, without waiting for its Pylon.
     """

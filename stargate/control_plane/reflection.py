@@ -26,7 +26,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import Message
 from grpc_reflection.v1alpha import reflection_pb2
 
-from stargate.control_plane.grpc import (
+from stargate.grpc_asgi import (
     GrpcMethod,
     GrpcStatus,
     RequestStream,

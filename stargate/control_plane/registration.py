@@ -50,8 +50,8 @@ from stargate.control_plane.admission import (
     routes_for_update,
 )
 from stargate.control_plane.auth import AuthenticationFailed, Authenticator
-from stargate.control_plane.grpc import GrpcError, GrpcStatus, RequestStream, RpcContext
 from stargate.control_plane.health import HealthMonitor, HealthProbe
+from stargate.grpc_asgi import GrpcError, GrpcStatus, RequestStream, RpcContext
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import AlreadyRegistered, Registration, RoutingState
 
@@ -81,11 +81,8 @@ class RegistrationService:
         authenticator: Authenticator,
         probe: HealthProbe,
         settings: RegistrationSettings = RegistrationSettings(),
-        *,
-        on_backend_healthy: Callable[[str], None] | None = None,
     ) -> None:
         self._routing = routing
-        self._on_backend_healthy = on_backend_healthy
         self._authenticator = authenticator
         self._probe = probe
         self._settings = settings
@@ -190,7 +187,6 @@ class RegistrationService:
         send: SendAck,
     ) -> None:
         server_id = registration.identity.inference_server_id
-        on_healthy = self._on_backend_healthy
         # The latest applied message and when it arrived: what a verdict change re-applies.
         latest: tuple[pb.InferenceServerRegistration, float] | None = None
 
@@ -209,7 +205,8 @@ class RegistrationService:
             registration.identity.url,
             self._probe,
             self._settings.health_interval_seconds,
-            on_healthy=None if on_healthy is None else (lambda: on_healthy(server_id)),
+            # Every passing probe lifts a connect-failure demotion (docs/data-plane.md, Retries).
+            on_healthy=lambda: self._routing.restore(server_id),
             on_verdict=on_verdict,
         )
         failure: GrpcError | None = None

@@ -17,7 +17,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from grpc_health.v1 import health_pb2
 
 from stargate.control_plane.discovery import WatchPublisher, WatchSnapshot
-from stargate.control_plane.grpc import (
+from stargate.control_plane.grpc_health import HEALTH_SERVICE, HealthService, ServingSignal
+from stargate.control_plane.reflection import (
+    REFLECTION_SERVICES,
+    ReflectionIndex,
+    reflection_methods,
+)
+from stargate.control_plane.registration import RegistrationService
+from stargate.grpc_asgi import (
     GrpcApp,
     GrpcError,
     GrpcMethod,
@@ -27,13 +34,6 @@ from stargate.control_plane.grpc import (
     unary_stream,
     unary_unary,
 )
-from stargate.control_plane.grpc_health import HEALTH_SERVICE, HealthService, ServingSignal
-from stargate.control_plane.reflection import (
-    REFLECTION_SERVICES,
-    ReflectionIndex,
-    reflection_methods,
-)
-from stargate.control_plane.registration import RegistrationService
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import RoutingState
 

@@ -7,7 +7,8 @@ The outer loop takes a fresh snapshot of the target, asks the load balancer for 
 robin; the inner loop runs attempts on that cluster. Transport failures move to a sibling backend
 (then to another cluster); a retryable upstream 429/503 moves to another cluster, or to a sibling
 for `queue_estimate_mismatch`. Both retry counters are per request. Once a response head is
-accepted as final nothing is retried: its body is streamed to the client as it arrives.
+accepted as final nothing is retried: its body is streamed to the client as it arrives. The rules
+themselves are pure functions in `retry.py`; this module runs the loop, the I/O and the metrics.
 
 The request body is read whole before routing (bounded by `--proxy-max-replay-body-bytes`), so a
 retry can always replay it. That trades the Rust replica's streaming first upload for a simpler,
@@ -32,7 +33,18 @@ import trio
 
 from stargate.config import ProxyConfig
 from stargate.metrics import ProxyMetrics
-from stargate.proxy.contract import ContractError, Headers, ProxyRequest, first_header
+from stargate.proxy.contract import ContractError, Headers, ProxyRequest
+from stargate.proxy.retry import (
+    Action,
+    Attempts,
+    Decision,
+    FailureKind,
+    RetryPolicy,
+    UpstreamHead,
+    decide_response,
+    decide_transport_failure,
+    record,
+)
 from stargate.proxy.upstream import (
     ConnectError,
     UpstreamError,
@@ -72,10 +84,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-RETRYABLE_STATUSES = frozenset({429, 503})
-QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
-DEFAULT_RETRY_REASON = "retryable_upstream_response"
 
 UNREGISTERED = "__unregistered__"
 """The metric label standing for every model (and routing key) that no backend ever registered:
@@ -178,17 +186,16 @@ class HeadWaits:
 
 
 @dataclass(slots=True)
-class _Attempts:
-    """Per-request retry state (docs/data-plane.md, Forwarding)."""
+class _RequestContext:
+    """Everything one proxied request carries through its attempts: the request and its body,
+    its target and metric labels, when it started, and its retry state (`retry.Attempts`)."""
 
-    failed_backends: set[str]
-    failed_clusters: set[str]
-    connect_retries: int = 0
-    request_retries: int = 0
-
-    @property
-    def failed_any(self) -> bool:
-        return bool(self.failed_backends or self.failed_clusters)
+    request: ProxyRequest
+    target: RoutingTargetKey
+    body: bytes
+    labels: dict[str, str]
+    start: float
+    attempts: Attempts
 
 
 class Router:
@@ -209,12 +216,16 @@ class Router:
         self._on_connect_failure = on_connect_failure
         self._pool = pool
         self._config = config
+        self._retry_policy = RetryPolicy(
+            max_connect_retries=config.max_connect_retries,
+            max_request_retries=config.max_request_retries,
+            require_pylon_retry_signal=config.require_pylon_retry_signal,
+        )
         self._lb_config = lb_config
         self._balancers = BalancerRegistry()
         self._metrics = metrics
         self._rng = rng or random.Random()
         self._backend_counters: dict[tuple[Hashable, str], int] = {}
-        self.demoted: set[str] = set()
         self.head_waits = HeadWaits()
 
     def forget_target(self, target: RoutingTargetKey) -> None:
@@ -222,10 +233,6 @@ class Router:
         self._balancers.forget(target)
         for key in [key for key in self._backend_counters if key[0] == target]:
             del self._backend_counters[key]
-
-    def backend_healthy(self, inference_server_id: str) -> None:
-        """A health probe succeeded: a backend demoted by a connection failure is routable again."""
-        self.demoted.discard(inference_server_id)
 
     def backend_unroutable(self, registration: Registration, target: RoutingTargetKey) -> None:
         """The routing state's listener: this backend no longer serves `target`, so attempts
@@ -301,7 +308,8 @@ class Router:
         budget_deadline = (
             None if request.retry_budget_ms is None else start + request.retry_budget_ms / 1000
         )
-        state = _Attempts(failed_backends=set(), failed_clusters=set())
+        state = Attempts(budget_deadline=budget_deadline)
+        context = _RequestContext(request, target, body, labels, start, state)
         first_selection = True
         while True:
             snapshot = self._routing.snapshot(target)
@@ -332,7 +340,7 @@ class Router:
                 if (
                     not clusters
                     and not self._routing.is_advertised(target)
-                    and not (state.failed_any and not self.demoted)
+                    and not (state.failed_any and not self._routing.any_demoted)
                 ):
                     return LocalError(no_eligible_candidates(request.model_id))
                 return LocalError(self._unavailable(request, state, bool(eligible), labels))
@@ -340,31 +348,25 @@ class Router:
             self._metrics.selections.labels(
                 algorithm=spec.name, selection=selection, **labels
             ).inc()
-            outcome = await self._attempt_cluster(
-                choice.cluster, target, request, body, state, budget_deadline, labels, start
-            )
+            outcome = await self._attempt_cluster(context, choice.cluster)
             if outcome is not None:
                 return outcome
             # None: the cluster failed for this request; choose again with it excluded.
 
     async def _attempt_cluster(
-        self,
-        cluster: ClusterSnapshot,
-        target: RoutingTargetKey,
-        request: ProxyRequest,
-        body: bytes,
-        state: _Attempts,
-        budget_deadline: float | None,
-        labels: dict[str, str],
-        start: float,
+        self, context: _RequestContext, cluster: ClusterSnapshot
     ) -> Forwarded | LocalError | None:
         """Attempts on backends of one cluster; None when the whole cluster failed."""
+        request, target, labels = context.request, context.target, context.labels
+        state = context.attempts
         while True:
             counter_key = (target, cluster.cluster_id)
             counter = self._backend_counters.get(counter_key, 0)
             self._backend_counters[counter_key] = counter + 1
             excluded = (
-                state.failed_backends | self.demoted if self.demoted else state.failed_backends
+                state.failed_backends | self._routing.demoted
+                if self._routing.any_demoted
+                else state.failed_backends
             )
             backend = choose_backend(cluster, counter, excluded)
             if backend is None:
@@ -388,10 +390,14 @@ class Router:
                 continue
             headers = _attempt_headers(request.headers, cluster, request.priority)
             url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
-            self._metrics.replay_buffer_bytes.labels(model=request.model_id).observe(len(body))
+            self._metrics.replay_buffer_bytes.labels(model=request.model_id).observe(
+                len(context.body)
+            )
+            response: UpstreamResponse | None = None
+            decision: Decision
             try:
                 response = await self._request_head(
-                    backend.registration, target, url, headers, body
+                    backend.registration, target, url, headers, context.body
                 )
             except UpstreamError as error:
                 self._metrics.attempts.labels(result="proxy_502", **server_labels).inc()
@@ -401,57 +407,65 @@ class Router:
                     backend.inference_server_id,
                     error,
                 )
-                if isinstance(error, ConnectError):
-                    self.demoted.add(backend.inference_server_id)
+                kind = FailureKind.CONNECT if isinstance(error, ConnectError) else FailureKind.OTHER
+                decision = decide_transport_failure(
+                    state, kind, self._retry_policy, trio.current_time()
+                )
+                if decision.demote:
+                    self._routing.demote(backend.inference_server_id)
                     if self._on_connect_failure is not None:
                         self._on_connect_failure(request.model_id)  # e.g. a pool's resident died
-                stop = self._failover(request, state, budget_deadline, labels, "connect_failover")
-                if stop is not None:
-                    return stop
-                state.failed_backends.add(backend.inference_server_id)
-                continue  # a sibling first, then another cluster
-            if response is None:
-                # The backend stopped being routable before its head arrived: nothing was
-                # received, the body is buffered, so this is a transport failure for the retry
-                # rules (no demotion: the control plane already took the backend out).
-                self._metrics.attempts.labels(
-                    result="proxy_backend_unroutable", **server_labels
-                ).inc()
-                log.info(
-                    "upstream attempt moved: request_id=%s backend=%s is no longer routable",
-                    request.request_id,
-                    backend.inference_server_id,
-                )
-                stop = self._failover(request, state, budget_deadline, labels, "backend_unroutable")
-                if stop is not None:
-                    return stop
-                state.failed_backends.add(backend.inference_server_id)
-                continue
-            self._metrics.attempts.labels(
-                result=f"upstream_{response.status}", **server_labels
-            ).inc()
-            self._metrics.duration.labels(**server_labels).observe(trio.current_time() - start)
-            reason = self._retry_reason(response)
-            if _is_queue_estimate_mismatch(response):
-                self._routing.release(reservation)
-            if reason is None:
-                return Forwarded(response, backend)
-            if _expired(budget_deadline):
+            else:
+                if response is None:
+                    # The backend stopped being routable before its head arrived: nothing was
+                    # received, the body is buffered, so this is a transport failure for the
+                    # retry rules (no demotion: the control plane already took the backend out).
+                    self._metrics.attempts.labels(
+                        result="proxy_backend_unroutable", **server_labels
+                    ).inc()
+                    log.info(
+                        "upstream attempt moved: request_id=%s backend=%s is no longer routable",
+                        request.request_id,
+                        backend.inference_server_id,
+                    )
+                    decision = decide_transport_failure(
+                        state,
+                        FailureKind.BACKEND_UNROUTABLE,
+                        self._retry_policy,
+                        trio.current_time(),
+                    )
+                else:
+                    self._metrics.attempts.labels(
+                        result=f"upstream_{response.status}", **server_labels
+                    ).inc()
+                    self._metrics.duration.labels(**server_labels).observe(
+                        trio.current_time() - context.start
+                    )
+                    decision = decide_response(
+                        state,
+                        UpstreamHead.from_headers(response.status, response.headers),
+                        self._retry_policy,
+                        trio.current_time(),
+                    )
+                    if decision.release_reservation:
+                        self._routing.release(reservation)
+            if decision.exhausted_reason is not None:
                 self._metrics.retry_exhausted.labels(
-                    reason="retry_budget_exhausted", **labels
+                    reason=decision.exhausted_reason, **labels
                 ).inc()
+            if decision.retry_reason is not None:
+                self._metrics.retries.labels(reason=decision.retry_reason, **labels).inc()
+            record(state, decision, backend.inference_server_id, cluster.cluster_id)
+            if decision.action is Action.RESPOND:
+                assert response is not None  # only a response head is passed through
                 return Forwarded(response, backend)
-            if state.request_retries >= self._config.max_request_retries:
-                self._metrics.retry_exhausted.labels(reason=reason, **labels).inc()
-                return Forwarded(response, backend)
-            state.request_retries += 1
-            self._metrics.retries.labels(reason=reason, **labels).inc()
-            await response.aclose()
-            if reason == QUEUE_ESTIMATE_MISMATCH:
-                state.failed_backends.add(backend.inference_server_id)
-                continue
-            state.failed_clusters.add(cluster.cluster_id)
-            return None
+            if decision.action is Action.FAIL:
+                return LocalError(_upstream_failed(request))
+            if response is not None:
+                await response.aclose()
+            if decision.action is Action.SIBLING:
+                continue  # a sibling first, then another cluster
+            return None  # Action.OTHER_CLUSTER: choose again with this cluster excluded
 
     async def _request_head(
         self,
@@ -471,28 +485,8 @@ class Router:
             self.head_waits.close(registration, target, scope)
         return None  # cancelled by `backend_unroutable`; the pool closed the connection
 
-    def _failover(
-        self,
-        request: ProxyRequest,
-        state: _Attempts,
-        budget_deadline: float | None,
-        labels: dict[str, str],
-        reason: str,
-    ) -> LocalError | None:
-        """After an attempt failed before its response head: None to try another backend (one
-        connect retry spent), or the 502 when the retry budget or the connect retries are out."""
-        if _expired(budget_deadline):
-            self._metrics.retry_exhausted.labels(reason="retry_budget_exhausted", **labels).inc()
-            return LocalError(_upstream_failed(request))
-        if state.connect_retries >= self._config.max_connect_retries:
-            self._metrics.retry_exhausted.labels(reason="connect_retries_exhausted", **labels).inc()
-            return LocalError(_upstream_failed(request))
-        state.connect_retries += 1
-        self._metrics.retries.labels(reason=reason, **labels).inc()
-        return None
-
     def _unavailable(
-        self, request: ProxyRequest, state: _Attempts, choosable: bool, labels: dict[str, str]
+        self, request: ProxyRequest, state: Attempts, choosable: bool, labels: dict[str, str]
     ) -> ContractError:
         """The bare 503 of docs/data-plane.md, Local answers, with what an OpenAI-form answer says
         about it."""
@@ -509,36 +503,6 @@ class Router:
             code = "no_active_backend"
         return ContractError(503, message=message, code=code, param="model")
 
-    def _retry_reason(self, response: UpstreamResponse) -> str | None:
-        """The retry reason if `response` is a retry candidate, else None.
-
-        docs/data-plane.md, Retries.
-        """
-        if response.status not in RETRYABLE_STATUSES:
-            return None
-        signal = first_header(response.headers, b"x-stargate-retryable")
-        if signal is None:
-            if self._config.require_pylon_retry_signal:
-                return None
-        elif signal.strip().lower() != b"true":
-            return None
-        raw = first_header(response.headers, b"x-stargate-retry-reason")
-        reason = raw.decode("latin-1").strip() if raw else ""
-        return reason or DEFAULT_RETRY_REASON
-
-
-def _is_queue_estimate_mismatch(response: UpstreamResponse) -> bool:
-    """A Pylon's explicit "my queue is not what you estimated" 429 (docs/data-plane.md, One
-    attempt): the one response that releases its attempt's reservation, whether or not a retry
-    follows."""
-    if response.status != 429:
-        return False
-    signal = first_header(response.headers, b"x-stargate-retryable")
-    if signal is None or signal.strip().lower() != b"true":
-        return False
-    raw = first_header(response.headers, b"x-stargate-retry-reason")
-    return raw is not None and raw.decode("latin-1").strip() == QUEUE_ESTIMATE_MISMATCH
-
 
 def _upstream_failed(request: ProxyRequest) -> ContractError:
     """The bare 502 of docs/data-plane.md, Local answers. The message names no backend: clients
@@ -548,10 +512,6 @@ def _upstream_failed(request: ProxyRequest) -> ContractError:
         message=f"the upstream request for model {request.model_id!r} failed; retry later",
         code="upstream_failed",
     )
-
-
-def _expired(deadline: float | None) -> bool:
-    return deadline is not None and trio.current_time() >= deadline
 
 
 def _attempt_headers(headers: Headers, cluster: ClusterSnapshot, priority: int) -> Headers:

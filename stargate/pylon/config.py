@@ -6,12 +6,12 @@ network (URL schemes, `HOST:PORT` syntax, ranges) lives here so bad input fails 
 
 from __future__ import annotations
 
-import ipaddress
-import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from stargate.addresses import canonical_host, format_host_port, ip_literal, is_host_name
 
 __all__ = [
     "DEFAULT_HEALTH_PATHS",
@@ -26,9 +26,6 @@ __all__ = [
 
 DEFAULT_STARGATE_PORT = 50071
 DEFAULT_HEALTH_PATHS: tuple[str, ...] = ("/health", "/v1/health/ready")
-
-_HOST_LABEL = r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\.?$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
 
 
 class PylonConfigError(ValueError):
@@ -46,18 +43,10 @@ class DialTarget:
         return f"https://{self.address}" if self.secure else self.address
 
 
-def _format_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _check_host(host: str, text: str) -> str:
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    if not _HOSTNAME.match(host):
+    if ip_literal(host) is None and not is_host_name(host):
         raise PylonConfigError(f"{text!r}: {host!r} is neither an IP address nor a host name")
-    return host.rstrip(".").lower()
+    return canonical_host(host)
 
 
 def parse_dial_target(text: str, *, default_port: int | None = None) -> DialTarget:
@@ -94,7 +83,7 @@ def parse_dial_target(text: str, *, default_port: int | None = None) -> DialTarg
     if not scheme and "[" not in value and value.count(":") > 1:
         raise PylonConfigError(f"{text!r}: an IPv6 address must be written in brackets")
     canonical = _check_host(host, text)
-    return DialTarget(_format_host_port(canonical, port), secure=scheme in ("https", "grpcs"))
+    return DialTarget(format_host_port(canonical, port), secure=scheme in ("https", "grpcs"))
 
 
 def parse_upstream_url(text: str) -> str:

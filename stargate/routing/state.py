@@ -21,6 +21,10 @@ for it.
 When a backend entry goes (the Pylon's update, the replica's own health probe, or the end of the
 registration), `on_backend_unroutable` hears of it, so the proxy can move requests still waiting
 for that backend's response head (docs/stale-routes.md).
+
+A backend whose connection was refused is *demoted* (docs/data-plane.md, Retries): it stays in
+every snapshot and count, but the proxy does not pick it until its health probe passes again.
+Demotion is by `inference_server_id` and outlives the registration, as the probe's restore does.
 """
 
 from __future__ import annotations
@@ -357,6 +361,7 @@ class RoutingState:
         # the only model names that may become metric labels, and OpenAI's `created`.
         self._known: dict[RoutingTargetKey, int] = {}
         self._wall_clock = wall_clock
+        self._demoted: set[str] = set()
 
     # ---- registrations --------------------------------------------------------------------------
 
@@ -506,6 +511,30 @@ class RoutingState:
     def active_model_ids(self) -> list[str]:
         """Model ids with an active backend under any routing key, sorted and unique."""
         return sorted({target.model_id for target in self._targets})
+
+    # ---- demotion (docs/data-plane.md, Retries) --------------------------------------------------
+
+    def demote(self, inference_server_id: str) -> None:
+        """A connection to this backend was refused: no request picks it until `restore`."""
+        self._demoted.add(inference_server_id)
+
+    def restore(self, inference_server_id: str) -> None:
+        """Its health probe passed: a demoted backend may be picked again (idempotent)."""
+        self._demoted.discard(inference_server_id)
+
+    def is_demoted(self, inference_server_id: str) -> bool:
+        return inference_server_id in self._demoted
+
+    @property
+    def demoted(self) -> frozenset[str]:
+        """Every demoted backend id now (empty when none is)."""
+        return frozenset(self._demoted)
+
+    @property
+    def any_demoted(self) -> bool:
+        """True while some backend is demoted (the 404 rule reads it, docs/data-plane.md,
+        Forwarding)."""
+        return bool(self._demoted)
 
     # ---- reservations (docs/data-plane.md, Reservations) ----------------------------------------
 
