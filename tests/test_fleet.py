@@ -287,8 +287,13 @@ def assert_survivors_kept_everything(load: Load, survivors: list[FleetReplica]) 
         assert replica.list_models() == load.models
 
 
+@pytest.mark.parametrize(
+    "restart_flags",
+    [WARMUP_FLAGS, ("--readiness-warmup-ms=60000",)],  # a 1 s window; the defaults (5 x 1 s)
+    ids=["1s-window", "default-window"],
+)
 def test_survivors_keep_every_backend_when_the_seed_is_killed_and_it_returns_complete(
-    fleet: Fleet, tmp_path: Path
+    fleet: Fleet, tmp_path: Path, restart_flags: tuple[str, ...]
 ) -> None:
     r0, r1, r2 = fleet.replicas
     fleet.start_pylons(tmp_path, r0.grpc_addr)
@@ -304,9 +309,9 @@ def test_survivors_keep_every_backend_when_the_seed_is_killed_and_it_returns_com
     assert time.monotonic() - killed >= OUTAGE_SECONDS
     survivors_listed = [replica.list_models() for replica in (r1, r2)]
 
-    # Back on the same address with a 1 s stabilization window: every Pylon must be back
-    # before the window closes, so the first 200 from /readyz already counts every backend.
-    r0.restart(*WARMUP_FLAGS)
+    # Back on the same address: every Pylon must be back before the stabilization window closes
+    # (1 s, or the default 5 s), so the first 200 from /readyz already counts every backend.
+    r0.restart(*restart_flags)
     restarted = time.monotonic()
     timeline: list[tuple[float, int, int | None, list[str]]] = []
     first_ready: dict[str, object] | None = None
