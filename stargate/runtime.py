@@ -70,9 +70,9 @@ from stargate.control_plane.auth import (
     read_token_file,
 )
 from stargate.control_plane.discovery import DiscoveryConfig, WatchPublisher
-from stargate.control_plane.health import http_health_probe
 from stargate.control_plane.registration import RegistrationService, RegistrationSettings
 from stargate.control_plane.services import control_plane_app, model_discovery_app
+from stargate.health_probe import http_health_probe
 from stargate.http_app import create_http_app
 from stargate.metrics import (
     SERIES_GRACE_SECONDS,

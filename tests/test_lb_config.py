@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
+from stargate.routing.balancer_registry import BalancerRegistry, create_balancer
 from stargate.routing.balancers import (
     LoadBalancer,
     PowerOfN,
@@ -23,11 +24,9 @@ from stargate.routing.lb_config import (
     IMPLEMENTED_ALGORITHMS,
     AlgorithmSpec,
     AlgorithmUnavailable,
-    BalancerRegistry,
     LbConfig,
     LbConfigError,
     UnknownAlgorithm,
-    create_balancer,
     default_lb_config,
     load_lb_config,
     parse_algorithm_header,

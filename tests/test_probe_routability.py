@@ -16,9 +16,10 @@ from trio.testing import MockClock
 
 from stargate.config import ProxyConfig
 from stargate.control_plane.auth import OpenAuthenticator
-from stargate.control_plane.health import HealthMonitor, ProbeFailed, ProbeVerdict
+from stargate.control_plane.health import HealthMonitor, ProbeVerdict
 from stargate.control_plane.registration import RegistrationService, RegistrationSettings
 from stargate.grpc_asgi import RequestStream, RpcContext
+from stargate.health_probe import ProbeFailed
 from stargate.metrics import ProxyMetrics
 from stargate.protocol import stargate_pb2 as pb
 from stargate.proxy.contract import ProxyRequest

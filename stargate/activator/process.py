@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
+from stargate.health_probe import ProbeFailed, http_health_probe
 from stargate.routing.state import (
     AlreadyRegistered,
     BackendRoute,
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 PORT_PLACEHOLDER = "{port}"
 STARTUP_POLL_SECONDS = 0.1  # how often a starting engine is probed (swap latency, not load)
 REAP_AFTER_KILL_SECONDS = 5.0  # bound on waiting for a SIGKILLed process during abrupt shutdown
+_NO_HEADERS: Mapping[str, str] = {}  # engine probes carry no routing headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,11 +343,13 @@ class ProcessController:
 
     async def _health_loop(self, engine: _Engine, command: MemberCommand) -> None:
         """Wait for the first healthy answer, register, then follow health until stopped."""
-        url = engine.url + command.health_path
+        url = engine.url + command.health_path  # for the log line
         deadline = trio.current_time() + self._startup_timeout
         while True:
             remaining = deadline - trio.current_time()
-            rtt_ns = await self._probe(url, min(self._probe_timeout, max(remaining, 0.01)))
+            rtt_ns = await self._probe(
+                engine.url, command.health_path, min(self._probe_timeout, max(remaining, 0.01))
+            )
             if engine.stop_requested.is_set():
                 return  # stopped while starting: an engine slow to exit must not register
             if rtt_ns is not None:
@@ -364,24 +368,21 @@ class ProcessController:
         self._route(engine, rtt_ns)
         while not engine.stopping:
             await trio.sleep(self._health_interval)
-            rtt_ns = await self._probe(url, self._probe_timeout)
+            rtt_ns = await self._probe(engine.url, command.health_path, self._probe_timeout)
             if engine.stop_requested.is_set():
                 return  # routes were removed with the stop request; never put them back
             self._route(engine, rtt_ns)
 
-    async def _probe(self, url: str, limit: float) -> int | None:
-        """One `GET url` within `limit` seconds: the round trip in ns on 2xx, else None
-        (refused, timed out, non-2xx)."""
-        started = trio.current_time()
+    async def _probe(self, base_url: str, health_path: str, limit: float) -> int | None:
+        """One `GET base_url + health_path` within `limit` seconds: the round trip in ns on 2xx,
+        else None (refused, timed out, non-2xx; a 404 too, there being no fallback path). Sent
+        without the replica's probe headers, as an engine of our own needs none."""
         try:
-            with trio.fail_after(limit):
-                response = await self._client.get(url)
-                await response.aread()
-        except (httpx.HTTPError, trio.TooSlowError):
+            return await http_health_probe(
+                self._client, base_url, limit, (health_path,), headers=_NO_HEADERS
+            )
+        except ProbeFailed:
             return None
-        if not 200 <= response.status_code < 300:
-            return None
-        return max(int((trio.current_time() - started) * 1e9), 1)
 
     def _route(self, engine: _Engine, rtt_ns: int | None) -> None:
         """Publish the engine's health in the routing state (register on first success).

@@ -9,7 +9,8 @@ The monitor also reports every change of its verdict (`on_verdict`), and the reg
 it at once instead of waiting for the Pylon's next update: a Pylon that is frozen or cut off from
 the replica sends no next update, and its engine's routes would otherwise outlive the engine by the
 whole idle timeout (docs/stale-routes.md). How many failures turn the verdict is `ProbeVerdict`'s
-rule, kept pure so it can be tested and changed in one place.
+rule, kept pure so it can be tested and changed in one place. The probe itself is the stateless
+`http_health_probe` of `stargate/health_probe.py`, shared with the Pylon and the process controller.
 """
 
 from __future__ import annotations
@@ -17,21 +18,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-import httpx
 import trio
+
+from stargate.health_probe import ProbeFailed
 
 __all__ = [
     "FAILURES_TO_UNROUTE",
     "HealthMonitor",
     "HealthProbe",
-    "ProbeFailed",
     "ProbeVerdict",
-    "http_health_probe",
 ]
 
 log = logging.getLogger(__name__)
 
-HEALTH_PATHS = ("/health", "/v1/health/ready")
 PROBE_INTERVAL_SECONDS = 1.0
 FAILURES_TO_UNROUTE = 1
 """Consecutive failed probes that make a healthy backend unroutable: one. A failure already means
@@ -42,48 +41,8 @@ buy tolerance of single blips with (threshold - 1) probe intervals more of routi
 backend."""
 
 
-class ProbeFailed(Exception):
-    """The backend did not answer its health endpoint with a 2xx in time."""
-
-
 HealthProbe = Callable[[str], Awaitable[int]]
 """Probe a backend base URL; return the round-trip time in nanoseconds or raise ProbeFailed."""
-
-
-async def http_health_probe(
-    client: httpx.AsyncClient,
-    base_url: str,
-    probe_timeout: float,
-    paths: tuple[str, ...] = HEALTH_PATHS,
-) -> int:
-    """One health check: the first of `paths` that is not 404 must answer 2xx, body read.
-
-    Shared by the replica's backend probes and the Pylon's engine probes, so both sides judge
-    an engine's health the same way.
-    """
-    if not paths:
-        raise ValueError("at least one health path is required")
-    base = base_url.rstrip("/")
-    headers = {
-        "x-request-id": "stargate-health",
-        "x-model": "stargate-health",
-        "x-input-tokens": "0",
-    }
-    for path in paths:
-        started = trio.current_time()
-        try:
-            with trio.fail_after(probe_timeout):
-                response = await client.get(base + path, headers=headers)
-                await response.aread()
-        except (httpx.HTTPError, trio.TooSlowError) as error:
-            raise ProbeFailed(f"{base}{path}: {error!r}") from None
-        elapsed_ns = int((trio.current_time() - started) * 1e9)
-        if response.status_code == 404 and path != paths[-1]:
-            continue
-        if 200 <= response.status_code < 300:
-            return max(elapsed_ns, 1)
-        raise ProbeFailed(f"{base}{path} answered {response.status_code}")
-    raise ProbeFailed(f"{base}: no health endpoint")  # pragma: no cover - loop always returns
 
 
 class ProbeVerdict:

@@ -58,6 +58,7 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+from stargate.routing.balancer_registry import BalancerRegistry
 from stargate.routing.balancers import (
     RoutingRequest,
     choose_backend,
@@ -67,7 +68,6 @@ from stargate.routing.balancers import (
 from stargate.routing.lb_config import (
     AlgorithmSpec,
     AlgorithmUnavailable,
-    BalancerRegistry,
     LbConfig,
     UnknownAlgorithm,
     parse_algorithm_header,

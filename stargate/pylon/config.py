@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stargate.addresses import canonical_host, format_host_port, ip_literal, is_host_name
+from stargate.health_probe import DEFAULT_HEALTH_PATHS
 
 __all__ = [
     "DEFAULT_HEALTH_PATHS",
@@ -25,7 +26,6 @@ __all__ = [
 ]
 
 DEFAULT_STARGATE_PORT = 50071
-DEFAULT_HEALTH_PATHS: tuple[str, ...] = ("/health", "/v1/health/ready")
 
 
 class PylonConfigError(ValueError):

@@ -36,7 +36,7 @@ import grpc
 import httpx
 import trio
 
-from stargate.control_plane.health import ProbeFailed, http_health_probe
+from stargate.health_probe import ProbeFailed, http_health_probe
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.pylon.backoff import (

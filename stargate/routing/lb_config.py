@@ -1,4 +1,4 @@
-"""The load-balancer configuration file, `x-routing-method` resolution and LB instance lifetime.
+"""The load-balancer configuration file and `x-routing-method` resolution.
 
 docs/data-plane.md, "Load balancer config" to "LB instances". The file is JSON, read once at
 startup:
@@ -21,15 +21,15 @@ error in the file (unknown field, bad type, bad `sample_count`…) is reported b
 semantic one (`request_algorithms` key mismatch, unimplemented algorithm). Every error message
 starts with the dotted path of the offending key, e.g.
 `models.my-model.sample_count: power-of-n sample_count must be between 1 and 64, got 0`.
+
+The LB instances the resolved definitions select live in `stargate.routing.balancer_registry`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from types import MappingProxyType
@@ -40,14 +40,7 @@ from stargate.routing.balancers import (
     DEFAULT_COMPARATOR,
     DEFAULT_SAMPLE_COUNT,
     MAX_SAMPLE_COUNT,
-    Choice,
-    LoadBalancer,
-    PowerOfN,
-    RandomChoice,
-    RoundRobin,
-    RoutingRequest,
 )
-from stargate.routing.state import ClusterSnapshot
 
 __all__ = [
     "ALGORITHMS",
@@ -60,12 +53,10 @@ __all__ = [
     "WAIT_AND_WIDEN",
     "AlgorithmSpec",
     "AlgorithmUnavailable",
-    "BalancerRegistry",
     "LbConfig",
     "LbConfigError",
     "ModelEntry",
     "UnknownAlgorithm",
-    "create_balancer",
     "default_lb_config",
     "load_lb_config",
     "not_implemented_message",
@@ -584,72 +575,3 @@ def load_lb_config(path: str | PathLike[str]) -> LbConfig:
         return parse_lb_config(data)
     except LbConfigError as error:
         raise LbConfigError(f"{path}: {error}") from error
-
-
-# ---- LB instances (docs/data-plane.md, LB instances) ---------------------------------------------
-
-
-def create_balancer(spec: AlgorithmSpec, rng: random.Random | None = None) -> LoadBalancer:
-    """A fresh LB instance for one definition. `rng` makes random choices reproducible."""
-    if spec.name == POWER_OF_N:
-        return PowerOfN(spec.sample_count, spec.comparator, rng=rng)
-    if spec.name == ROUND_ROBIN:
-        return RoundRobin()
-    if spec.name == RANDOM:
-        return RandomChoice(rng=rng)
-    raise NotImplementedError(not_implemented_message(spec.name))
-
-
-class BalancerRegistry:
-    """LB instances per (target, algorithm definition), created lazily on first use.
-
-    docs/data-plane.md, LB instances.
-
-    `target` is any hashable key for the routing target (the routing state's
-    `RoutingTargetKey`). The routing state drops a target when its last backend goes; call
-    `forget(target)` then, so a recreated target starts with fresh LB state (round-robin
-    counters restart). Equal definitions share an instance, so an override naming the model's
-    configured algorithm uses the configured instance.
-    """
-
-    __slots__ = ("_factory", "_instances")
-
-    def __init__(self, factory: Callable[[AlgorithmSpec], LoadBalancer] = create_balancer) -> None:
-        self._factory = factory
-        self._instances: dict[Hashable, dict[AlgorithmSpec, LoadBalancer]] = {}
-
-    def get(self, target: Hashable, spec: AlgorithmSpec) -> LoadBalancer:
-        """The instance for (target, spec), created on first use."""
-        per_target = self._instances.get(target)
-        if per_target is None:
-            per_target = self._instances[target] = {}
-        balancer = per_target.get(spec)
-        if balancer is None:
-            balancer = per_target[spec] = self._factory(spec)
-        return balancer
-
-    def choose(
-        self,
-        target: Hashable,
-        spec: AlgorithmSpec,
-        clusters: Sequence[ClusterSnapshot],
-        request: RoutingRequest,
-        excluded: AbstractSet[str],
-    ) -> Choice | None:
-        """Choose with the (target, spec) instance; no instance is created without candidates."""
-        if not clusters:
-            return None
-        return self.get(target, spec).choose(clusters, request, excluded)
-
-    def forget(self, target: Hashable) -> None:
-        """Drop every instance of `target` (it emptied); a no-op for an unknown target."""
-        self._instances.pop(target, None)
-
-    def instance_count(self, target: Hashable | None = None) -> int:
-        """Live instances, for one target or overall (for tests and debugging)."""
-        if target is not None:
-            return len(self._instances.get(target, ()))
-        return sum(len(per_target) for per_target in self._instances.values())
-
-    def targets(self) -> list[Hashable]:
-        return list(self._instances)
