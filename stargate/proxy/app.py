@@ -18,7 +18,6 @@ without its final chunk (the connection is closed), so the client can tell.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from urllib.parse import unquote
@@ -38,7 +37,6 @@ from stargate.proxy.contract import (
     is_openai_form,
     parse_proxy_request,
     parse_unsigned,
-    with_forwarding,
 )
 from stargate.proxy.router import Forwarded, LocalError, Router
 from stargate.proxy.upstream import UpstreamError
@@ -118,15 +116,14 @@ class ProxyApp:
                 body,
                 retry_budget_header=self._retry_budget_header,
                 accept_openai_requests=self._config.accept_openai_requests,
+                client=scope.get("client"),
+                scheme=scope["scheme"],
             )
             spec = self._router.resolve_algorithm(request)
         except ContractError as error:
             self._count_local(scope["path"], openai_form, error)
             await _respond(send, error, openai_form)
             return
-        request = dataclasses.replace(
-            request, headers=with_forwarding(request.headers, scope.get("client"), scope["scheme"])
-        )
 
         completed = False
         async with trio.open_nursery() as nursery:

@@ -281,6 +281,8 @@ def parse_proxy_request(
     *,
     retry_budget_header: bytes | None,
     accept_openai_requests: bool = False,
+    client: tuple[str, int] | None = None,
+    scheme: str = "http",
 ) -> ProxyRequest:
     """Validate a proxy request in the Rust order; raise `ContractError`.
 
@@ -356,7 +358,7 @@ def parse_proxy_request(
         request_slo_ms=request_slo_ms or None,
         cache_affinity_key=_visible_ascii(first_header(headers, b"x-cache-affinity-key")),
         retry_budget_ms=retry_budget_ms,
-        headers=forwarded,
+        headers=with_forwarding(forwarded, client, scheme),
         generated_request_id=generated,
         openai_form=openai_mode,
     )
