@@ -19,11 +19,11 @@ import click
 from stargate import __version__
 from stargate.clitools import POSITIVE_INT, comma_list, configure_logging, log_level_option, option
 from stargate.config import (
+    ActivatorConfig,
     ConfigError,
     ControlPlaneConfig,
-    DiscoverySettings,
+    DiscoveryConfig,
     ListenAddress,
-    PoolSettings,
     ProxyConfig,
     ServeConfig,
     WarmupConfig,
@@ -470,7 +470,7 @@ def serve(
                 sample_interval_ms=warmup_sample_interval_ms,
                 stabilization_window=warmup_stabilization_window,
             ),
-            discovery=DiscoverySettings(
+            discovery=DiscoveryConfig(
                 dns_name=(stargate_discovery_dns_name or "").strip() or None,
                 peers=peers,
                 disable_dns_discovery=disable_dns_discovery,
@@ -500,7 +500,7 @@ def serve(
                 lb_config_path=lb_config_path,
                 upstream_ca_file=upstream_ca_file,
             ),
-            pools=PoolSettings(
+            activator=ActivatorConfig(
                 pool_config_path=pool_config,
                 resync_interval_ms=pool_resync_interval_ms,
                 controller_timeout_ms=pool_controller_timeout_ms,

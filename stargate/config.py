@@ -14,11 +14,11 @@ from pathlib import Path
 from stargate.addresses import AddressError, AddressProblem, format_host_port, parse_host_port
 
 __all__ = [
+    "ActivatorConfig",
     "ConfigError",
     "ControlPlaneConfig",
-    "DiscoverySettings",
+    "DiscoveryConfig",
     "ListenAddress",
-    "PoolSettings",
     "ProxyConfig",
     "ServeConfig",
     "WarmupConfig",
@@ -129,7 +129,7 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class DiscoverySettings:
+class DiscoveryConfig:
     """How `WatchStargates` finds this replica's peers (docs/control-plane.md, WatchStargates).
 
     Modes: a DNS name polled every `dns_poll_ms` (in Kubernetes, the headless Service), a static
@@ -142,7 +142,7 @@ class DiscoverySettings:
     The one validation of these settings; `dns_name` and `grpc_pylon_dial_addr` are stored trimmed,
     with "" turned into None. What needs this replica's own addresses (the DNS name's syntax, each
     peer, folding self out of the peer list) is checked where they are known:
-    `stargate.control_plane.discovery.DiscoveryConfig`.
+    `stargate.control_plane.discovery.PublisherConfig`.
     """
 
     dns_name: str | None = None
@@ -172,9 +172,9 @@ class DiscoverySettings:
             raise ConfigError("--peer cannot be combined with --stargate-discovery-dns-name")
 
 
-def _serve_discovery_settings() -> DiscoverySettings:
+def _serve_discovery_settings() -> DiscoveryConfig:
     """`ServeConfig`'s default: the `stargate serve` flags' defaults."""
-    return DiscoverySettings(peer_absent_after_ms=30_000)
+    return DiscoveryConfig(peer_absent_after_ms=30_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +228,7 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolSettings:
+class ActivatorConfig:
     """Model pools (the activator): the pool file and the activator's timing."""
 
     pool_config_path: Path | None = None
@@ -257,10 +257,10 @@ class ServeConfig:
     shutdown_delay_ms: int = 5_000
     shutdown_drain_timeout_ms: int = 30_000
     warmup: WarmupConfig = WarmupConfig()
-    discovery: DiscoverySettings = field(default_factory=_serve_discovery_settings)
+    discovery: DiscoveryConfig = field(default_factory=_serve_discovery_settings)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
-    pools: PoolSettings = field(default_factory=PoolSettings)
+    activator: ActivatorConfig = field(default_factory=ActivatorConfig)
 
     def __post_init__(self) -> None:
         if not self.stargate_id:

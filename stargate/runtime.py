@@ -34,8 +34,8 @@ from stargate.activator import (
     Activator,
     ActivatorMetrics,
     FakeController,
+    MemberAvailability,
     MemberController,
-    MemberReadiness,
 )
 from stargate.activator.config import (
     KubernetesMember,
@@ -52,13 +52,14 @@ from stargate.activator.kubernetes import (
     load_api_config,
 )
 from stargate.activator.process import MemberCommand, ProcessController
+from stargate.admin_app import create_admin_app
 from stargate.asgi import InFlight
 from stargate.config import (
     PYLON_RECONNECT_WINDOW_MS,
+    ActivatorConfig,
     ConfigError,
     ControlPlaneConfig,
     ListenAddress,
-    PoolSettings,
     ProxyConfig,
     ServeConfig,
 )
@@ -69,11 +70,16 @@ from stargate.control_plane.auth import (
     WorkerAuthenticator,
     read_token_file,
 )
-from stargate.control_plane.discovery import DiscoveryConfig, WatchPublisher
-from stargate.control_plane.registration import RegistrationService, RegistrationSettings
+from stargate.control_plane.discovery import PublisherConfig, WatchPublisher
+from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.health_probe import http_health_probe
-from stargate.http_app import create_http_app
+from stargate.load_balancing.config import (
+    LbConfig,
+    LbConfigError,
+    default_lb_config,
+    load_lb_config,
+)
 from stargate.metrics import (
     SERIES_GRACE_SECONDS,
     DepartedSeriesSweep,
@@ -83,12 +89,10 @@ from stargate.metrics import (
     sweep_interval,
 )
 from stargate.proxy.app import ProxyApp
-from stargate.proxy.router import UNREGISTERED, Router
-from stargate.proxy.upstream import PoolConfig as UpstreamPoolConfig
-from stargate.proxy.upstream import UpstreamPool
+from stargate.proxy.forwarder import UNREGISTERED, Forwarder
+from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
-from stargate.routing.lb_config import LbConfig, LbConfigError, default_lb_config, load_lb_config
 from stargate.serving import (
     SHUTDOWN_SIGNALS,
     ASGIApp,
@@ -138,21 +142,21 @@ class Replica:
             on_target_count=self._publish_target_count,
             # Requests waiting on a backend that stops being routable move on (the router is
             # built below; the listener only runs once registrations exist).
-            on_backend_unroutable=lambda registration, target: self.router.backend_unroutable(
+            on_backend_unroutable=lambda registration, target: self.forwarder.backend_unroutable(
                 registration, target
             ),
         )
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
         self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         proxy = config.proxy
-        self.pool = UpstreamPool(
-            UpstreamPoolConfig(
+        self.pool = ConnectionPool(
+            UpstreamConfig(
                 connect_timeout=proxy.connect_timeout_ms / 1000,
                 response_head_timeout=proxy.response_header_timeout_ms / 1000,
                 ca_file=None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file),
             )
         )
-        self.router = Router(
+        self.forwarder = Forwarder(
             self.routing,
             self.pool,
             proxy,
@@ -160,8 +164,8 @@ class Replica:
             self.metrics.proxy,
             on_connect_failure=self._invalidate_pool_resident,
         )
-        self.member_readiness = MemberReadiness()
-        self.pools = _pool_config(config.pools)
+        self.member_availability = MemberAvailability()
+        self.pools = _pool_config(config.activator)
         self.activator: Activator | None = None
         self._pool_controllers: list[MemberController] = []
         control = config.control_plane
@@ -173,11 +177,11 @@ class Replica:
                 self._health_client,
                 probe_timeout=control.health_check_timeout_ms / 1000,
             ),
-            RegistrationSettings(control.idle_timeout_ms, control.max_idle_timeout_ms),
+            RegistrationConfig(control.idle_timeout_ms, control.max_idle_timeout_ms),
         )
         self.publisher: WatchPublisher | None = None
         self.bound: BoundAddresses | None = None
-        self.http_app = create_http_app(
+        self.admin_app = create_admin_app(
             self.readiness,
             self.routing,
             stargate_id=config.stargate_id,
@@ -321,10 +325,10 @@ class Replica:
                 self.activator = await self._start_activator(services)
                 # The HTTP app is built once the activator exists: the proxy holds pooled requests.
                 proxy_app = ProxyApp(
-                    self.router,
+                    self.forwarder,
                     config.proxy,
                     self.metrics.proxy,
-                    fallback=cast(ASGIApp, self.http_app),
+                    fallback=cast(ASGIApp, self.admin_app),
                     activator=self.activator,
                 )
                 listener_config = functools.partial(hypercorn_config, graceful)
@@ -419,25 +423,25 @@ class Replica:
         """Build the pools' controllers and run the activator in the service nursery."""
         if self.pools is None:
             return None
-        settings = self.config.pools
+        timing = self.config.activator
         controllers: dict[str, MemberController] = {}
         for pool in self.pools.pools:
             controller = self._controller(pool, services)
             controllers[pool.pool.name] = controller
             self._pool_controllers.append(controller)
         members = [member for pool in self.pools.pools for member in pool.pool.members]
-        self.member_readiness.seed(
+        self.member_availability.seed(
             members, lambda model: self.routing.active_backend_count(RoutingTargetKey(None, model))
         )
         activator = Activator(
             self.pools.pool_specs,
             controllers,
-            self.member_readiness,
+            self.member_availability,
             metrics=ActivatorMetrics.create(self.registry),
             router_name=self.config.stargate_id,
             response_header_timeout=self.config.proxy.response_header_timeout_ms / 1000,
-            resync_interval=settings.resync_interval_ms / 1000,
-            controller_timeout=settings.controller_timeout_ms / 1000,
+            resync_interval=timing.resync_interval_ms / 1000,
+            controller_timeout=timing.controller_timeout_ms / 1000,
         )
         await services.start(activator.run)
         log.info("model pools enabled: %s", ", ".join(p.pool.name for p in self.pools.pools))
@@ -480,9 +484,9 @@ class Replica:
                 spec.namespace or api.namespace or "default",
                 targets,
                 api,
-                request_timeout=self.config.pools.controller_timeout_ms / 1000,
+                request_timeout=self.config.activator.controller_timeout_ms / 1000,
             )
-        return FakeController(self.member_readiness, pool.pool.members)
+        return FakeController(self.member_availability, pool.pool.members)
 
     def _invalidate_pool_resident(self, model_id: str) -> None:
         """A pooled backend refused a connection: its pool must re-check which member is up."""
@@ -519,9 +523,9 @@ class Replica:
 
     def _publish_target_count(self, target: RoutingTargetKey, count: int) -> None:
         self.metrics.set_active_inference_servers(target.routing_key, target.model_id, count)
-        self.member_readiness.on_target_count(target, count)
+        self.member_availability.on_target_count(target, count)
         if count == 0:
-            self.router.forget_target(target)
+            self.forwarder.forget_target(target)
 
     def _debug_config(self) -> dict[str, Any]:
         """`/debug/state`'s `config`: the Rust field set, with this replica's HTTP transport."""
@@ -541,12 +545,12 @@ class Replica:
         }
 
 
-def _pool_config(settings: PoolSettings) -> PoolsConfig | None:
+def _pool_config(activator: ActivatorConfig) -> PoolsConfig | None:
     """The pool file, validated at construction so a bad file fails before anything binds."""
-    if settings.pool_config_path is None:
+    if activator.pool_config_path is None:
         return None
     try:
-        return load_pool_config(settings.pool_config_path)
+        return load_pool_config(activator.pool_config_path)
     except PoolConfigError as error:
         raise StartupError(f"invalid pool config: {error}") from error
 
@@ -583,18 +587,18 @@ def _host_address() -> str:
         return "127.0.0.1"
 
 
-def _discovery_config(config: ServeConfig, bound: BoundAddresses) -> DiscoveryConfig:
+def _discovery_config(config: ServeConfig, bound: BoundAddresses) -> PublisherConfig:
     advertise = config.advertise_addr
     if advertise is None:
         host = config.listen_addr.host
         if ipaddress.ip_address(host).is_unspecified:
             host = _host_address()
         advertise = ListenAddress(host, bound.grpc.port)
-    return DiscoveryConfig(
+    return PublisherConfig(
         stargate_id=config.stargate_id,
         advertise_addr=str(advertise),
         http_advertise_addr=str(ListenAddress(advertise.host, bound.http.port)),
-        settings=config.discovery,
+        discovery=config.discovery,
     )
 
 

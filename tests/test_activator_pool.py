@@ -290,7 +290,7 @@ async def test_stale_deactivate_window(autojump_clock: trio.testing.MockClock) -
             hook_done.set()
 
         h.activator.before_deactivate = before_deactivate
-        # W1: coder's readiness is gated (activate scales to 1, Ready never comes by itself).
+        # W1: coder's availability is gated (activate scales to 1, Ready never comes by itself).
         with pytest.raises(HoldTimeout):
             await h.activator.acquire("coder", hold_budget=1.0)
         await hook_done.wait()
@@ -519,28 +519,30 @@ async def test_deferred_deactivate_skips_when_member_became_resident(
 
 
 async def test_acquire_errors_for_unknown_member_and_not_running() -> None:
-    from stargate.activator import Activator, FakeController, MemberReadiness, UnknownMember
+    from stargate.activator import Activator, FakeController, MemberAvailability, UnknownMember
 
-    readiness = MemberReadiness()
-    activator = Activator([SPEC], {POOL: FakeController(readiness)}, readiness)
+    availability = MemberAvailability()
+    activator = Activator([SPEC], {POOL: FakeController(availability)}, availability)
     assert activator.pool_of("coder") == POOL and activator.pool_of("x") is None
     with pytest.raises(UnknownMember):
         await activator.acquire("x")
     with pytest.raises(RuntimeError):
         await activator.acquire("coder")
     with pytest.raises(ValueError):
-        Activator([SPEC, PoolSpec("p2", ("coder",))], {POOL: FakeController(readiness)}, readiness)
+        Activator(
+            [SPEC, PoolSpec("p2", ("coder",))], {POOL: FakeController(availability)}, availability
+        )
     with pytest.raises(ValueError):
-        Activator([SPEC], {}, readiness)
+        Activator([SPEC], {}, availability)
 
 
 def test_swap_deadline_and_hold_fallbacks() -> None:
-    from stargate.activator import Activator, FakeController, MemberReadiness
+    from stargate.activator import Activator, FakeController, MemberAvailability
 
-    readiness = MemberReadiness()
+    availability = MemberAvailability()
     pools = [spec(swap_budget=None, name="a", members=("x",)), spec(name="b", members=("y",))]
-    fakes = {"a": FakeController(readiness), "b": FakeController(readiness)}
-    activator = Activator(pools, fakes, readiness, response_header_timeout=30.0)
+    fakes = {"a": FakeController(availability), "b": FakeController(availability)}
+    activator = Activator(pools, fakes, availability, response_header_timeout=30.0)
     assert activator.swap_deadline("a") == 60.0  # 2 x the configured header timeout
     assert activator.swap_deadline("b") == 300.0
     assert activator.hold_budget("x") == 30.0

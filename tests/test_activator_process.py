@@ -1,7 +1,7 @@
 """The `process` member controller (docs/decisions.md, D7) with real engine processes on loopback.
 
 Members are `stargate mock-backend` processes; the real clock runs throughout, so every wait is
-on an event (the routing state's count changes, fed to a `MemberReadiness`) under a bound.
+on an event (the routing state's count changes, fed to a `MemberAvailability`) under a bound.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
+from stargate.activator.members import MemberAvailability
 from stargate.activator.metrics import ActivatorMetrics
 from stargate.activator.pool import Activator, PoolSpec
 from stargate.activator.process import MemberCommand, ProcessController
-from stargate.activator.readiness import MemberReadiness
 from stargate.routing.state import RoutingState, RoutingTargetKey
 
 POOL = "local"
@@ -55,17 +55,17 @@ MEMBERS = {"model-a": mock_engine("model-a"), "model-b": mock_engine("model-b")}
 class Rig:
     controller: ProcessController
     routing: RoutingState
-    readiness: MemberReadiness
+    availability: MemberAvailability
     client: httpx.AsyncClient
     nursery: trio.Nursery
 
     def count(self, model: str) -> int:
         return self.routing.active_backend_count(RoutingTargetKey(None, model))
 
-    async def wait_ready(self, model: str, ready: bool = True) -> None:
+    async def wait_available(self, model: str, ready: bool = True) -> None:
         with trio.fail_after(WAIT):
-            while self.readiness.is_ready(model) != ready:
-                await self.readiness.wait_changed(model)
+            while self.availability.is_available(model) != ready:
+                await self.availability.wait_changed(model)
         assert (self.count(model) > 0) == ready
 
     def pid(self, member: str) -> int:
@@ -81,14 +81,14 @@ async def running(
     """A controller over a fresh routing state; every engine is stopped at the end."""
     kwargs.setdefault("stop_grace", 3.0)
     kwargs.setdefault("health_interval", 0.2)
-    readiness = MemberReadiness()
-    routing = RoutingState(on_target_count=readiness.on_target_count)
+    availability = MemberAvailability()
+    routing = RoutingState(on_target_count=availability.on_target_count)
     async with httpx.AsyncClient(trust_env=False) as client, trio.open_nursery() as nursery:
         controller = ProcessController(
             POOL, members, routing, nursery, health_client=client, **kwargs
         )
         try:
-            yield Rig(controller, routing, readiness, client, nursery)
+            yield Rig(controller, routing, availability, client, nursery)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(WAIT):
                 await controller.aclose()
@@ -125,7 +125,7 @@ async def test_activate_registers_and_serves() -> None:
         await rig.controller.activate("model-a")
         assert await rig.controller.phase("model-a") == "Starting"
         assert rig.count("model-a") == 0  # activate does not wait for health
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         assert await rig.controller.phase("model-a") == "Running"
 
         (registration,) = rig.routing.registrations()
@@ -151,7 +151,7 @@ async def test_activate_is_idempotent() -> None:
         pid = rig.pid("model-a")
         await rig.controller.activate("model-a")  # while starting
         assert rig.pid("model-a") == pid
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         await rig.controller.activate("model-a")  # while running
         assert rig.pid("model-a") == pid
         assert rig.count("model-a") == 1
@@ -161,7 +161,7 @@ async def test_activate_is_idempotent() -> None:
 async def test_activate_other_member_stops_incumbent() -> None:
     async with running() as rig:
         await rig.controller.activate("model-a")
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         pid_a = rig.pid("model-a")
 
         await rig.controller.activate("model-b")
@@ -172,7 +172,7 @@ async def test_activate_other_member_stops_incumbent() -> None:
         assert await rig.controller.phase("model-a") == "Stopped"
         assert await rig.controller.phase("model-b") == "Starting"
 
-        await rig.wait_ready("model-b")
+        await rig.wait_available("model-b")
         assert rig.count("model-a") == 0
         assert [r.identity.inference_server_id for r in rig.routing.registrations()] == [
             "process:local:model-b"
@@ -182,7 +182,7 @@ async def test_activate_other_member_stops_incumbent() -> None:
 async def test_deactivate_unregisters_and_stops() -> None:
     async with running() as rig:
         await rig.controller.activate("model-a")
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         pid = rig.pid("model-a")
 
         await rig.controller.deactivate("model-a")
@@ -208,10 +208,10 @@ async def test_deactivate_while_starting_stops_it() -> None:
 async def test_engine_that_dies_is_unregistered(caplog: pytest.LogCaptureFixture) -> None:
     async with running() as rig:
         await rig.controller.activate("model-a")
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         os.kill(rig.pid("model-a"), signal.SIGKILL)
 
-        await rig.wait_ready("model-a", ready=False)
+        await rig.wait_available("model-a", ready=False)
         assert rig.routing.registrations() == []
         await stopped(rig, "model-a")
         assert any(
@@ -221,7 +221,7 @@ async def test_engine_that_dies_is_unregistered(caplog: pytest.LogCaptureFixture
 
         # The member is no longer running, so activate starts it again.
         await rig.controller.activate("model-a")
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
 
 
 async def test_never_healthy_stays_unregistered_and_is_stopped() -> None:
@@ -238,17 +238,17 @@ async def test_never_healthy_stays_unregistered_and_is_stopped() -> None:
 async def test_unhealthy_engine_loses_route_until_it_recovers() -> None:
     async with running(health_interval=0.05) as rig:
         await rig.controller.activate("model-a")
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         url = rig.controller.url("model-a")
         target = RoutingTargetKey(None, "model-a")
 
         (await rig.client.post(f"{url}/test-control", json={"healthy": False})).raise_for_status()
-        await rig.wait_ready("model-a", ready=False)
+        await rig.wait_available("model-a", ready=False)
         assert rig.routing.is_advertised(target)  # listed, not routable: 503 rather than 404
         assert await rig.controller.phase("model-a") == "Running"
 
         (await rig.client.post(f"{url}/test-control", json={"healthy": True})).raise_for_status()
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
 
 
 async def test_sigkill_after_grace_even_if_deactivate_is_cancelled(
@@ -284,7 +284,7 @@ async def test_sigkill_after_grace_even_if_deactivate_is_cancelled(
 async def test_aclose_stops_everything() -> None:
     async with running() as rig:
         await rig.controller.activate("model-a")
-        await rig.wait_ready("model-a")
+        await rig.wait_available("model-a")
         pid = rig.pid("model-a")
         await rig.controller.aclose()
         assert gone(pid)
@@ -314,12 +314,12 @@ async def test_unknown_member_and_bad_command() -> None:
 
 
 async def test_activator_swaps_through_process_controller() -> None:
-    """End to end: the real activator over this controller, readiness from the routing state."""
+    """End to end: the real activator over this controller, availability from the routing state."""
     async with running() as rig:
         activator = Activator(
             [PoolSpec(POOL, ("model-a", "model-b"))],
             {POOL: rig.controller},
-            rig.readiness,
+            rig.availability,
             metrics=ActivatorMetrics.create(CollectorRegistry()),
         )
         await rig.nursery.start(activator.run)

@@ -248,7 +248,7 @@ def check_invariants(
         # 1. at most one resident or activating member.
         assert snap["activating"] is None or snap["activating"] != snap["resident"], snap
         assert len(fake.up_members()) <= 1, fake.replicas
-        assert sum(h.readiness.is_ready(m) for m in spec.members) <= 1
+        assert sum(h.availability.is_available(m) for m in spec.members) <= 1
         # 2. no swap outlives its deadline (plus a bounded wait for the pool lock).
         swap = snap["swap"]
         if swap is not None:
@@ -280,7 +280,7 @@ async def probe_residents(h: Harness, stats: Stats) -> None:
             snap["swapping"]
             or snap["locked"]
             or resident is None
-            or not h.readiness.is_ready(resident)
+            or not h.availability.is_available(resident)
             or resident in snap["swap_errors"]
         ):
             continue

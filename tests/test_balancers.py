@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from stargate.routing.balancers import (
+from stargate.load_balancing.balancers import (
     COMPARATORS,
     Choice,
     LoadBalancer,
@@ -591,7 +591,7 @@ def test_choose_backend_handles_large_counters() -> None:
 
 
 def test_input_work_admission_rules() -> None:
-    from stargate.routing.balancers import input_work_rejection
+    from stargate.load_balancing.balancers import input_work_rejection
     from stargate.routing.state import ClusterSnapshot
     from stargate.routing.stats import ModelStats
 

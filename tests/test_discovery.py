@@ -21,10 +21,10 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from stargate.config import DiscoverySettings
+from stargate.config import DiscoveryConfig
 from stargate.control_plane.discovery import (
-    DiscoveryConfig,
     DiscoveryMode,
+    PublisherConfig,
     StargateInfo,
     WatchPublisher,
     WatchSnapshot,
@@ -50,7 +50,7 @@ DNS_NAME = "stargate-headless.llm.svc.cluster.local"
 LOGGER = "stargate.control_plane.discovery"
 
 
-def make_config(**overrides: Any) -> DiscoveryConfig:
+def make_config(**overrides: Any) -> PublisherConfig:
     settings: dict[str, Any] = {
         "stargate_id": "sg-0",
         "advertise_addr": SELF,
@@ -63,7 +63,7 @@ def make_config(**overrides: Any) -> DiscoveryConfig:
     own = {
         key: settings.pop(key) for key in ("stargate_id", "advertise_addr", "http_advertise_addr")
     }
-    return DiscoveryConfig(**own, settings=DiscoverySettings(**settings))
+    return PublisherConfig(**own, discovery=DiscoveryConfig(**settings))
 
 
 def ids(snapshot: WatchSnapshot | None) -> list[str]:
@@ -332,19 +332,19 @@ def test_config_validation(overrides: dict[str, Any], message: str) -> None:
 def test_config_modes_and_canonical_values() -> None:
     dns = make_config(grpc_pylon_dial_addr="  ", remote_stargate_urls=["r:1"])
     assert dns.mode is DiscoveryMode.DNS
-    assert dns.settings.grpc_pylon_dial_addr is None
-    assert dns.settings.remote_stargate_urls == ("r:1",)
+    assert dns.discovery.grpc_pylon_dial_addr is None
+    assert dns.discovery.remote_stargate_urls == ("r:1",)
     disabled = make_config(disable_dns_discovery=True)
     assert disabled.mode is DiscoveryMode.SELF_ONLY
-    assert disabled.settings.dns_name == DNS_NAME  # still used to filter remote URLs
+    assert disabled.discovery.dns_name == DNS_NAME  # still used to filter remote URLs
     assert not disabled.implicit_self_only
     nothing = make_config(dns_name="  ")
-    assert nothing.settings.dns_name is None
+    assert nothing.discovery.dns_name is None
     assert nothing.mode is DiscoveryMode.SELF_ONLY
     assert nothing.implicit_self_only
     peers = make_config(dns_name=None, peers=["10.0.0.2:1"], grpc_pylon_dial_addr=" lb:1 ")
     assert peers.mode is DiscoveryMode.PEERS
-    assert peers.settings.grpc_pylon_dial_addr == "lb:1"
+    assert peers.discovery.grpc_pylon_dial_addr == "lb:1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,7 +643,7 @@ class FakeChecker:
         return address not in self.down
 
 
-def peer_config(**overrides: Any) -> DiscoveryConfig:
+def peer_config(**overrides: Any) -> PublisherConfig:
     settings: dict[str, Any] = {
         "dns_name": None,
         "peers": (f"sg-1={PEER_B}", PEER_C, f"sg-0={SELF}"),  # self is listed too, and folded
@@ -690,7 +690,7 @@ def test_peer_monitor_logs_only_transitions(caplog: pytest.LogCaptureFixture) ->
 def test_peer_absence_config_validation() -> None:
     with pytest.raises(ValueError, match="--peer-absent-after-ms"):
         peer_config(peer_absent_after_ms=-1)
-    assert make_config().settings.peer_absent_after_ms == 0  # built in code: static means static
+    assert make_config().discovery.peer_absent_after_ms == 0  # built in code: static means static
     assert WatchPublisher(make_config(peer_absent_after_ms=5000)).peer_health is None  # DNS mode
 
 

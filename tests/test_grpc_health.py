@@ -35,7 +35,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from stargate.config import ListenAddress, WarmupConfig
 from stargate.control_plane.auth import OpenAuthenticator
-from stargate.control_plane.discovery import DiscoveryConfig, WatchPublisher
+from stargate.control_plane.discovery import PublisherConfig, WatchPublisher
 from stargate.control_plane.grpc_health import (
     HEALTH_SERVICE,
     NOT_SERVING,
@@ -478,7 +478,7 @@ def _control_plane(serving: FakeSignal) -> Callable[..., Any]:
         raise AssertionError("no backend is registered in this test")
 
     registrations = RegistrationService(routing, OpenAuthenticator(), never_probed)
-    publisher = WatchPublisher(DiscoveryConfig("health-test", "127.0.0.1:1"))
+    publisher = WatchPublisher(PublisherConfig("health-test", "127.0.0.1:1"))
     return control_plane_app(
         registrations, publisher, serving=serving, max_message_bytes=4 * 1024 * 1024
     )

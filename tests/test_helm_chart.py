@@ -528,8 +528,11 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert p.accept_openai_requests is True
     assert p.lb_config_path == Path(files["lb.json"])
     assert p.upstream_ca_file == Path(files["ca.pem"])
-    assert config.pools.pool_config_path == pool_file
-    assert (config.pools.resync_interval_ms, config.pools.controller_timeout_ms) == (2_500, 4_000)
+    assert config.activator.pool_config_path == pool_file
+    assert (config.activator.resync_interval_ms, config.activator.controller_timeout_ms) == (
+        2_500,
+        4_000,
+    )
 
 
 def test_switches_set_to_false_are_not_rendered(chart: Any) -> None:

@@ -1,6 +1,6 @@
 """Stale routes die fast (docs/stale-routes.md), without processes: the probe verdict rule, its
 effect on a registration's routes between Pylon updates, the routing state's unroutable listener,
-and the router's cancellation of attempts waiting for a response head. Virtual time (MockClock)
+and the forwarder's cancellation of attempts waiting for a response head. Virtual time (MockClock)
 throughout; the real-process checks are in tests/test_stale_routes.py."""
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from trio.testing import MockClock
 from stargate.config import ProxyConfig
 from stargate.control_plane.auth import OpenAuthenticator
 from stargate.control_plane.health import HealthMonitor, ProbeVerdict
-from stargate.control_plane.registration import RegistrationService, RegistrationSettings
+from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.grpc_asgi import RequestStream, RpcContext
 from stargate.health_probe import ProbeFailed
+from stargate.load_balancing.config import AlgorithmSpec, LbConfig
 from stargate.metrics import ProxyMetrics
 from stargate.protocol import stargate_pb2 as pb
 from stargate.proxy.contract import ProxyRequest
-from stargate.proxy.router import Forwarded, HeadWaits, LocalError, Router
-from stargate.proxy.upstream import UpstreamPool
+from stargate.proxy.forwarder import Forwarded, Forwarder, HeadWaits, LocalError
+from stargate.proxy.upstream import ConnectionPool
 from stargate.routing import (
     BackendRoute,
     ModelStats,
@@ -33,7 +34,6 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
-from stargate.routing.lb_config import AlgorithmSpec, LbConfig
 from tests.pylon import INACTIVE, registration
 
 M = RoutingTargetKey(None, "m")
@@ -223,7 +223,7 @@ async def test_a_failed_probe_unroutes_at_once_and_updates_cannot_reenable_it(
     state = RoutingState(on_backend_unroutable=heard)
     probe = ScriptedProbe(1_000)
     service = RegistrationService(
-        state, OpenAuthenticator(), probe, RegistrationSettings(idle_timeout_ms=0)
+        state, OpenAuthenticator(), probe, RegistrationConfig(idle_timeout_ms=0)
     )
     message = registration("a", "http://127.0.0.1:1", ["m"])
     async with trio.open_nursery() as nursery:
@@ -260,7 +260,7 @@ async def test_inactive_while_the_probe_fails_stays_down_when_the_probe_recovers
     state = RoutingState()
     probe = ScriptedProbe(1_000)
     service = RegistrationService(
-        state, OpenAuthenticator(), probe, RegistrationSettings(idle_timeout_ms=0)
+        state, OpenAuthenticator(), probe, RegistrationConfig(idle_timeout_ms=0)
     )
     async with trio.open_nursery() as nursery:
         stream = await _open(nursery, service)
@@ -281,7 +281,7 @@ async def test_shutdown_and_held_routes_remove_without_cancelling_anything(
     heard = Unroutable()
     state = RoutingState(on_backend_unroutable=heard)
     service = RegistrationService(
-        state, OpenAuthenticator(), ScriptedProbe(1_000), RegistrationSettings(idle_timeout_ms=0)
+        state, OpenAuthenticator(), ScriptedProbe(1_000), RegistrationConfig(idle_timeout_ms=0)
     )
     async with trio.open_nursery() as nursery:
         live = await _open(nursery, service)
@@ -298,7 +298,7 @@ async def test_shutdown_and_held_routes_remove_without_cancelling_anything(
     assert heard.events == []
 
 
-# ---- the router: attempts waiting for a head ----------------------------------------------------
+# ---- the forwarder: attempts waiting for a head ----------------------------------------------
 
 
 async def test_head_waits_bookkeeping() -> None:
@@ -375,7 +375,7 @@ def _request(model: str = "m") -> ProxyRequest:
 @dataclass
 class Setup:
     state: RoutingState
-    router: Router
+    forwarder: Forwarder
     pool: HangingPool
     registry: CollectorRegistry
     registrations: dict[str, Registration]
@@ -387,17 +387,17 @@ class Setup:
 def _setup(pool: HangingPool, *backends: str, config: ProxyConfig | None = None) -> Setup:
     """The backends in one cluster (so the first attempt goes to the first id), serving "m" and
     "other"."""
-    router: Router | None = None
+    forwarder: Forwarder | None = None
 
     def unroutable(registration: Registration, target: RoutingTargetKey) -> None:
-        assert router is not None
-        router.backend_unroutable(registration, target)
+        assert forwarder is not None
+        forwarder.backend_unroutable(registration, target)
 
     state = RoutingState(on_backend_unroutable=unroutable)
     registry = CollectorRegistry()
-    router = Router(
+    forwarder = Forwarder(
         state,
-        cast(UpstreamPool, pool),
+        cast(ConnectionPool, pool),
         config or ProxyConfig(),
         LbConfig(),
         ProxyMetrics.create(registry, "test_"),
@@ -406,7 +406,7 @@ def _setup(pool: HangingPool, *backends: str, config: ProxyConfig | None = None)
     for server_id in backends:
         reg = registrations[server_id] = state.begin(_identity(server_id, "c"))
         state.apply(reg, {"m": _route(), "other": _route()})
-    return Setup(state, router, pool, registry, registrations)
+    return Setup(state, forwarder, pool, registry, registrations)
 
 
 async def _forward_with(
@@ -419,11 +419,11 @@ async def _forward_with(
 
     async def forward() -> None:
         spec = AlgorithmSpec(name="round-robin")
-        outcome.append(await setup.router.forward(_request(model), spec, b"{}"))
+        outcome.append(await setup.forwarder.forward(_request(model), spec, b"{}"))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(forward)
-        await _until(lambda: len(setup.router.head_waits) > 0 or bool(outcome))
+        await _until(lambda: len(setup.forwarder.head_waits) > 0 or bool(outcome))
         action()
     return outcome[0], trio.current_time() - started
 
@@ -445,7 +445,7 @@ async def test_an_attempt_waiting_on_a_backend_made_unroutable_moves_to_another(
     assert setup.sample("proxy_attempts_total", **attempt) == 1
     assert setup.sample("proxy_retries_total", reason="backend_unroutable", **labels) == 1
     assert not setup.state.is_demoted("a")  # the control plane took it out, not a refusal
-    assert len(setup.router.head_waits) == 0
+    assert len(setup.forwarder.head_waits) == 0
 
 
 async def test_the_only_backend_made_unroutable_answers_503_not_404(
@@ -476,12 +476,12 @@ async def test_other_models_and_arrived_heads_are_not_cut(autojump_clock: MockCl
 
     async def forward_other() -> None:
         spec = AlgorithmSpec(name="round-robin")
-        waiting.append(await setup.router.forward(_request("other"), spec, b"{}"))
+        waiting.append(await setup.forwarder.forward(_request("other"), spec, b"{}"))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(forward_other)
         await trio.sleep(1)
-        assert len(setup.router.head_waits) == 1
+        assert len(setup.forwarder.head_waits) == 1
         setup.state.apply(setup.registrations["a"], {"m": None, "other": _route()})
         await trio.sleep(1)
         assert waiting == [] and setup.pool.cancelled == []  # "other" is still routable on a
@@ -490,11 +490,11 @@ async def test_other_models_and_arrived_heads_are_not_cut(autojump_clock: MockCl
     # A head that has arrived is final: making the backend unroutable afterwards changes nothing.
     setup.pool.hung.clear()
     setup.state.apply(setup.registrations["a"], {"m": _route(), "other": _route()})
-    result = await setup.router.forward(_request(), AlgorithmSpec(), b"{}")
+    result = await setup.forwarder.forward(_request(), AlgorithmSpec(), b"{}")
     assert isinstance(result, Forwarded)
     setup.state.apply(setup.registrations["a"], {"m": None, "other": _route()})
     assert setup.pool.cancelled == ["a"]  # only the "other" wait, cancelled by the nursery
-    assert len(setup.router.head_waits) == 0
+    assert len(setup.forwarder.head_waits) == 0
 
 
 async def test_a_sibling_removed_since_the_snapshot_is_skipped_without_a_retry(
@@ -503,17 +503,17 @@ async def test_a_sibling_removed_since_the_snapshot_is_skipped_without_a_retry(
     """A cluster snapshot is reused across the attempts on its backends; a sibling that left the
     target while an earlier attempt waited is skipped, not sent to and not charged a retry."""
     pool = HangingPool("a")
-    router: Router | None = None
+    forwarder: Forwarder | None = None
 
     def unroutable(registration: Registration, target: RoutingTargetKey) -> None:
-        assert router is not None
-        router.backend_unroutable(registration, target)
+        assert forwarder is not None
+        forwarder.backend_unroutable(registration, target)
 
     state = RoutingState(on_backend_unroutable=unroutable)
     registry = CollectorRegistry()
-    router = Router(
+    forwarder = Forwarder(
         state,
-        cast(UpstreamPool, pool),
+        cast(ConnectionPool, pool),
         ProxyConfig(max_connect_retries=1),
         LbConfig(),
         ProxyMetrics.create(registry, "test_"),
@@ -524,7 +524,7 @@ async def test_a_sibling_removed_since_the_snapshot_is_skipped_without_a_retry(
     outcome: list[Forwarded | LocalError] = []
 
     async def forward() -> None:
-        outcome.append(await router.forward(_request(), AlgorithmSpec(), b"{}"))
+        outcome.append(await forwarder.forward(_request(), AlgorithmSpec(), b"{}"))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(forward)

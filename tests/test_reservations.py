@@ -11,10 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from stargate.config import ProxyConfig
+from stargate.load_balancing.balancers import queue_time_delta_ms
+from stargate.load_balancing.config import AlgorithmSpec, LbConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import ProxyRequest
-from stargate.proxy.router import Forwarded, Router
-from stargate.proxy.upstream import ConnectError, UpstreamPool
+from stargate.proxy.forwarder import Forwarded, Forwarder
+from stargate.proxy.upstream import ConnectError, ConnectionPool
 from stargate.routing import (
     BackendRoute,
     ClusterSnapshot,
@@ -23,8 +25,6 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
-from stargate.routing.balancers import queue_time_delta_ms
-from stargate.routing.lb_config import AlgorithmSpec, LbConfig
 from stargate.routing.state import Reservation
 from stargate.routing.stats import U64_MAX, apply_reservations, reservation_delta_ms
 
@@ -360,7 +360,7 @@ def test_heartbeat_after_a_reservation_refreshes_the_snapshot() -> None:
     assert _cluster(state).stats.queue_size == 6
 
 
-# ---- the router: one reservation per attempt, released only by a queue-estimate mismatch -------
+# ---- the forwarder: one reservation per attempt, released only by a queue-estimate mismatch ---
 
 
 @dataclass
@@ -394,9 +394,9 @@ class _Pool:
         return step
 
 
-def _router(state: RoutingState, pool: _Pool) -> Router:
+def _forwarder(state: RoutingState, pool: _Pool) -> Forwarder:
     metrics = ProxyMetrics.create(CollectorRegistry(), "test_")
-    return Router(state, cast(UpstreamPool, pool), ProxyConfig(), LbConfig(), metrics)
+    return Forwarder(state, cast(ConnectionPool, pool), ProxyConfig(), LbConfig(), metrics)
 
 
 def _request() -> ProxyRequest:
@@ -428,7 +428,7 @@ async def test_queue_estimate_mismatch_releases_that_attempts_reservation() -> N
     for server_id in ("a", "b"):
         state.apply(state.begin(_identity(server_id)), {"m": _route()})
     pool = _Pool(state, [_retryable(429, "queue_estimate_mismatch"), _Response(200)])
-    result = await _router(state, pool).forward(_request(), AlgorithmSpec(), b"{}")
+    result = await _forwarder(state, pool).forward(_request(), AlgorithmSpec(), b"{}")
     assert isinstance(result, Forwarded)
     first, second = pool.seen
     assert first[0] != second[0]  # the sibling backend
@@ -448,7 +448,7 @@ async def test_other_retries_and_failures_keep_their_reservations() -> None:
     ]
     pool = _Pool(state, script)
     spec = AlgorithmSpec(name="round-robin")
-    result = await _router(state, pool).forward(_request(), spec, b"{}")
+    result = await _forwarder(state, pool).forward(_request(), spec, b"{}")
     assert isinstance(result, Forwarded)
     assert [sum(queues.values()) for _, queues in pool.seen] == [1, 2, 3]
     snapshot = state.snapshot(TARGET)
@@ -460,7 +460,7 @@ async def test_mismatch_on_the_only_backend_is_released_before_the_cluster_fails
     state = RoutingState()
     state.apply(state.begin(_identity("a")), {"m": _route()})
     pool = _Pool(state, [_retryable(429, "queue_estimate_mismatch")])
-    result = await _router(state, pool).forward(_request(), AlgorithmSpec(), b"{}")
+    result = await _forwarder(state, pool).forward(_request(), AlgorithmSpec(), b"{}")
     # One backend: the mismatch is retried, no sibling is left, the cluster fails: bare 503.
     assert not isinstance(result, Forwarded)
     assert _cluster(state).stats.queue_size == 0  # released

@@ -42,7 +42,7 @@ def _config(**overrides: Any) -> ServeConfig:
 
 
 def _add_slow_stream(replica: Replica, gap: float = CHUNK_GAP) -> None:
-    @replica.http_app.get("/slow-stream")
+    @replica.admin_app.get("/slow-stream")
     async def slow_stream() -> Response:
         async def chunks() -> AsyncIterator[bytes]:
             for index in range(CHUNKS):

@@ -16,25 +16,25 @@ from stargate.activator.errors import (
     SwapFailed,
     UnknownMember,
 )
+from stargate.activator.members import AvailabilitySource, MemberAvailability
 from stargate.activator.metrics import ActivatorMetrics
 from stargate.activator.pool import Activator, Grant, PoolSpec
-from stargate.activator.readiness import MemberReadiness, ReadinessSource
 
 __all__ = [
     "Activator",
     "ActivatorError",
     "ActivatorMetrics",
     "ActivatorStopped",
+    "AvailabilitySource",
     "FakeController",
     "Grant",
     "HoldTimeout",
     "IncumbentBusy",
+    "MemberAvailability",
     "MemberController",
-    "MemberReadiness",
     "PhaseReporter",
     "PoolQueueFull",
     "PoolSpec",
-    "ReadinessSource",
     "SwapFailed",
     "UnknownMember",
 ]

@@ -6,14 +6,14 @@ A controller owns one pool. The activator calls it with no retries and returns i
 * `activate(member)`: make `member` the pool's desired owner (upstream: scale to 1). Must be
   idempotent. Slot exclusivity is the controller's job, as it is LLMKube's operator's: it unloads
   the incumbent before the member starts. The activator guarantees the incumbent is idle (drain
-  before swap) and that no request is granted on any member while a swap runs. Readiness is not
+  before swap) and that no request is granted on any member while a swap runs. Availability is not
   reported here: the member becomes Ready when its backend registers (docs/decisions.md, D7), which
-  the activator watches through its `ReadinessSource`.
+  the activator watches through its `AvailabilitySource`.
 * `deactivate(member)`: cancel a pending activation (scale to 0). An already-stopped member is a
   no-op. The activator calls it under the pool lock with a timeout; a timed-out call must be
   treated as possibly applied.
 * `phase(member)` (optional, `PhaseReporter`): a diagnostic phase string, or None when unknown.
-  Never used for readiness.
+  Never used for availability.
 
 The Kubernetes and process controllers implement this protocol elsewhere.
 """
@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
-from stargate.activator.readiness import MemberReadiness
+from stargate.activator.members import MemberAvailability
 
 __all__ = ["ControllerCall", "FakeController", "MemberController", "PhaseReporter"]
 
@@ -53,7 +53,7 @@ class FakeController:
 
     * `activate` is idempotent *by check*: at replicas >= 1 it does nothing (never re-asserts);
       otherwise it sets replicas to 1 and, after `ready_delay[member]` seconds (None: never),
-      makes the member Ready through the shared `MemberReadiness`, but only while replicas are
+      makes the member Ready through the shared `MemberAvailability`, but only while replicas are
       still 1 (a deactivate in between cancels it);
     * `deactivate` sets replicas to 0 and the member not Ready;
     * with `exclusive=True`, activating a member also stops every other member (the operator's
@@ -66,20 +66,20 @@ class FakeController:
     (member -> seconds or None; missing means `default_ready_delay`). `on_call(method, member)`
     is called synchronously when a call arrives (for invariant checks).
 
-    Delayed readiness needs a nursery: pass one, or call `bind(nursery)` before the first
+    Delayed availability needs a nursery: pass one, or call `bind(nursery)` before the first
     activate with a nonzero delay. A delay of 0 makes the member Ready synchronously.
     """
 
     def __init__(
         self,
-        readiness: MemberReadiness,
+        availability: MemberAvailability,
         members: Sequence[str] = (),
         *,
         default_ready_delay: float | None = 0.0,
         exclusive: bool = False,
         nursery: trio.Nursery | None = None,
     ) -> None:
-        self.readiness = readiness
+        self.availability = availability
         self.members = tuple(members)
         self.default_ready_delay = default_ready_delay
         self.exclusive = exclusive
@@ -123,10 +123,10 @@ class FakeController:
         if delay is None:
             return
         if delay <= 0:
-            self.readiness.set_ready(member, True)
+            self.availability.set_available(member, True)
             return
         if self._nursery is None:
-            raise RuntimeError("FakeController needs a nursery for delayed readiness")
+            raise RuntimeError("FakeController needs a nursery for delayed availability")
         self._nursery.start_soon(self._become_ready, member, epoch, delay)
 
     async def deactivate(self, member: str) -> None:
@@ -141,7 +141,7 @@ class FakeController:
 
     async def phase(self, member: str) -> str | None:
         await trio.lowlevel.checkpoint()
-        if self.readiness.is_ready(member):
+        if self.availability.is_available(member):
             return "Ready"
         return "Pending" if self.replicas.get(member, 0) >= 1 else "Stopped"
 
@@ -151,12 +151,12 @@ class FakeController:
         """Change a member behind the activator's back (an operator or a crash did it)."""
         self.replicas[member] = 1 if up else 0
         self._bump(member)
-        self.readiness.set_ready(member, up if ready is None else ready)
+        self.availability.set_available(member, up if ready is None else ready)
 
     def make_ready(self, member: str) -> None:
         """Make a member that is up (replicas 1) Ready now."""
         if self.replicas.get(member, 0) >= 1:
-            self.readiness.set_ready(member, True)
+            self.availability.set_available(member, True)
 
     def count(self, method: str, member: str) -> int:
         return sum(1 for call in self.calls if call == (method, member))
@@ -185,9 +185,9 @@ class FakeController:
     def _stop(self, member: str) -> None:
         self.replicas[member] = 0
         self._bump(member)
-        self.readiness.set_ready(member, False)
+        self.availability.set_available(member, False)
 
     async def _become_ready(self, member: str, epoch: int, delay: float) -> None:
         await trio.sleep(delay if math.isfinite(delay) else math.inf)
         if self._epoch.get(member) == epoch and self.replicas.get(member, 0) >= 1:
-            self.readiness.set_ready(member, True)
+            self.availability.set_available(member, True)

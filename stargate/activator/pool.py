@@ -38,8 +38,8 @@ from stargate.activator.errors import (
     SwapFailed,
     UnknownMember,
 )
+from stargate.activator.members import AvailabilitySource
 from stargate.activator.metrics import ActivatorMetrics
-from stargate.activator.readiness import ReadinessSource
 from stargate.activator.state import (
     Decision,
     Mode,
@@ -182,7 +182,7 @@ class Activator:
         self,
         pools: Iterable[PoolSpec],
         controllers: Mapping[str, MemberController],
-        readiness: ReadinessSource,
+        availability: AvailabilitySource,
         *,
         metrics: ActivatorMetrics | None = None,
         router_name: str = "stargate",
@@ -191,7 +191,7 @@ class Activator:
         controller_timeout: float = 10.0,
         before_deactivate: BeforeDeactivateHook | None = None,
     ) -> None:
-        self._readiness = readiness
+        self._availability = availability
         self._metrics = metrics
         self._router = router_name or "default"
         self._response_header_timeout = response_header_timeout
@@ -359,7 +359,7 @@ class Activator:
                             raise ActivatorStopped("the activator stopped")
                         if first_pass and reconcile_resident(
                             st,
-                            self._readiness.is_ready,
+                            self._availability.is_available,
                             trio.current_time(),
                             self._resync_interval,
                         ):
@@ -484,8 +484,8 @@ class Activator:
         with scope:
             try:
                 await pool.controller.activate(swap.target)
-                while not self._readiness.is_ready(swap.target):
-                    await self._readiness.wait_changed(swap.target)
+                while not self._availability.is_available(swap.target):
+                    await self._availability.wait_changed(swap.target)
             except Exception as exc:
                 error = exc
         errored = error is not None or scope.cancelled_caught

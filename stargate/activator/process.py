@@ -3,8 +3,8 @@
 docs/decisions.md, D7: for single-machine model swapping a pool's members are engine commands (vLLM,
 llama.cpp's server, ...) started and stopped on this host, and each running engine is registered in
 the routing state directly, with no Pylon in between. A member is Ready exactly when its
-registration holds an active route, so the activator waits for readiness through the routing state
-like for any other backend; this controller never reports readiness itself.
+registration holds an active route, so the activator waits for availability through the routing
+state like for any other backend; this controller never reports availability itself.
 
 Lifecycle of one member (an `_Engine`):
 

@@ -99,13 +99,13 @@ def decide(state: PoolState, member: str, mode: Mode) -> Decision:
 
 
 def reconcile_resident(
-    state: PoolState, is_ready: Callable[[str], bool], now: float, resync_interval: float
+    state: PoolState, is_available: Callable[[str], bool], now: float, resync_interval: float
 ) -> bool:
     """Re-verify the resident belief at most every `resync_interval` (docs/activator.md, Reconcile).
 
-    Readiness is the routing state's (docs/decisions.md, D7), an in-memory read, so unlike upstream
-    no API call happens under the lock and no read can fail. Returns True when the resident gauge
-    should be republished (the belief was re-derived).
+    Availability is the routing state's (docs/decisions.md, D7), an in-memory read, so unlike
+    upstream no API call happens under the lock and no read can fail. Returns True when the
+    resident gauge should be republished (the belief was re-derived).
     """
     if state.swap is not None:
         return False  # the swap owns residency
@@ -113,9 +113,9 @@ def reconcile_resident(
     if checked is not None and now - checked < resync_interval:
         return False
     state.resident_checked_at = now
-    if state.resident is not None and is_ready(state.resident):
+    if state.resident is not None and is_available(state.resident):
         return False
-    state.resident = next((m for m in state.members if is_ready(m)), None)
+    state.resident = next((m for m in state.members if is_available(m)), None)
     return True
 
 

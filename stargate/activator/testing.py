@@ -11,9 +11,9 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from stargate.activator.controller import FakeController
+from stargate.activator.members import MemberAvailability
 from stargate.activator.metrics import ActivatorMetrics
 from stargate.activator.pool import Activator, PoolSpec
-from stargate.activator.readiness import MemberReadiness
 
 __all__ = ["Harness", "running_activator"]
 
@@ -21,7 +21,7 @@ __all__ = ["Harness", "running_activator"]
 @dataclass
 class Harness:
     activator: Activator
-    readiness: MemberReadiness
+    availability: MemberAvailability
     fakes: dict[str, FakeController]
     registry: CollectorRegistry
     metrics: ActivatorMetrics
@@ -55,13 +55,13 @@ async def running_activator(
     **activator_kwargs: Any,
 ) -> AsyncIterator[Harness]:
     """Start an `Activator` over one `FakeController` per pool; members in `ready` start up."""
-    readiness = MemberReadiness()
+    availability = MemberAvailability()
     registry = CollectorRegistry()
     metrics = ActivatorMetrics.create(registry)
     async with trio.open_nursery() as nursery:
         fakes = {
             spec.name: FakeController(
-                readiness,
+                availability,
                 spec.members,
                 default_ready_delay=default_ready_delay,
                 exclusive=exclusive,
@@ -73,7 +73,7 @@ async def running_activator(
             for member in spec.members:
                 if member in ready:
                     fakes[spec.name].force(member, up=True)
-        activator = Activator(pools, fakes, readiness, metrics=metrics, **activator_kwargs)
+        activator = Activator(pools, fakes, availability, metrics=metrics, **activator_kwargs)
         await nursery.start(activator.run)
-        yield Harness(activator, readiness, fakes, registry, metrics, nursery)
+        yield Harness(activator, availability, fakes, registry, metrics, nursery)
         nursery.cancel_scope.cancel()

@@ -45,7 +45,7 @@ from stargate.addresses import (
     is_host_name,
     parse_host_port,
 )
-from stargate.config import ConfigError, DiscoverySettings, parse_listen_address
+from stargate.config import ConfigError, DiscoveryConfig, parse_listen_address
 from stargate.control_plane.peer_health import (
     DEFAULT_PEER_CHECK_TIMEOUT_MS,
     PeerChecker,
@@ -55,8 +55,8 @@ from stargate.control_plane.peer_health import (
 
 __all__ = [
     "DEFAULT_RESOLVE_TIMEOUT_MS",
-    "DiscoveryConfig",
     "DiscoveryMode",
+    "PublisherConfig",
     "Resolver",
     "StargateInfo",
     "WatchPublisher",
@@ -200,9 +200,9 @@ def parse_peer(text: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class DiscoveryConfig:
+class PublisherConfig:
     """What the `WatchStargates` publisher needs: the discovery settings (validated on their own,
-    `stargate.config.DiscoverySettings`) plus this replica's id and bound addresses, checked
+    `stargate.config.DiscoveryConfig`) plus this replica's id and bound addresses, checked
     together so that bad input fails at start-up.
 
     Mode selection (see `mode`):
@@ -226,7 +226,7 @@ class DiscoveryConfig:
     stargate_id: str
     advertise_addr: str
     http_advertise_addr: str = ""
-    settings: DiscoverySettings = field(default_factory=DiscoverySettings)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # canonicalisation of a frozen dataclass
@@ -241,18 +241,18 @@ class DiscoveryConfig:
             )
         else:
             set_(self, "http_advertise_addr", "")
-        dns_name = self.settings.dns_name
+        dns_name = self.discovery.dns_name
         if dns_name is not None and not is_host_name(dns_name):
             raise ConfigError(
                 f"discovery DNS name {dns_name!r} is not a host name "
                 "(give the name only, without scheme or port)"
             )
-        if self.settings.peers:
+        if self.discovery.peers:
             _merge_peers(self)  # raises on malformed or conflicting peers
 
     @property
     def mode(self) -> DiscoveryMode:
-        settings = self.settings
+        settings = self.discovery
         if settings.peers:
             return DiscoveryMode.PEERS
         if settings.disable_dns_discovery or settings.dns_name is None:
@@ -262,7 +262,7 @@ class DiscoveryConfig:
     @property
     def implicit_self_only(self) -> bool:
         """Self only because nothing was configured, rather than by `--disable-dns-discovery`."""
-        settings = self.settings
+        settings = self.discovery
         return not (settings.peers or settings.disable_dns_discovery or settings.dns_name)
 
     @property
@@ -275,7 +275,7 @@ class DiscoveryConfig:
         return StargateInfo(self.stargate_id, self.advertise_addr, self.http_advertise_addr)
 
 
-def _merge_peers(config: DiscoveryConfig) -> dict[str, str]:
+def _merge_peers(config: PublisherConfig) -> dict[str, str]:
     """Peers other than this replica, as `{address: id}` ("" = no explicit id).
 
     One peer list can be shared by every replica: an entry with this replica's advertise address
@@ -286,7 +286,7 @@ def _merge_peers(config: DiscoveryConfig) -> dict[str, str]:
     """
     merged: dict[str, str] = {}
     owner_of_id: dict[str, str] = {}
-    for text in config.settings.peers:
+    for text in config.discovery.peers:
         peer_id, address = parse_peer(text)
         if address == config.advertise_addr:
             if peer_id and peer_id != config.stargate_id:
@@ -405,7 +405,7 @@ def _sorted_entries(entries: Iterable[StargateInfo]) -> list[StargateInfo]:
     return sorted(entries, key=lambda e: (e.stargate_id, e.advertise_addr))
 
 
-def dns_entries(ips: Iterable[str], *, config: DiscoveryConfig) -> list[StargateInfo]:
+def dns_entries(ips: Iterable[str], *, config: PublisherConfig) -> list[StargateInfo]:
     """Entries for the IPs an A/AAAA lookup returned (docs/control-plane.md, WatchStargates).
 
     Each IP becomes `<ip>:<advertise port>`. The one equal to this replica's advertise address is
@@ -433,7 +433,7 @@ def dns_entries(ips: Iterable[str], *, config: DiscoveryConfig) -> list[Stargate
 
 
 def peer_entries(
-    config: DiscoveryConfig, *, absent: AbstractSet[str] = frozenset()
+    config: PublisherConfig, *, absent: AbstractSet[str] = frozenset()
 ) -> list[StargateInfo]:
     """Entries for the static `--peer` list, self included (see `_merge_peers` for the rules).
 
@@ -513,7 +513,7 @@ class WatchPublisher:
 
     def __init__(
         self,
-        config: DiscoveryConfig,
+        config: PublisherConfig,
         resolver: Resolver = resolve_ips,
         *,
         resolve_timeout_ms: int = DEFAULT_RESOLVE_TIMEOUT_MS,
@@ -524,20 +524,20 @@ class WatchPublisher:
             raise ValueError("DNS resolve timeout must be greater than 0")
         self._config = config
         self._peer_health: PeerHealthMonitor | None = None
-        if config.mode is DiscoveryMode.PEERS and config.settings.peer_absent_after_ms > 0:
+        if config.mode is DiscoveryMode.PEERS and config.discovery.peer_absent_after_ms > 0:
             self._peer_health = PeerHealthMonitor(
                 _merge_peers(config),
-                absent_after_ms=config.settings.peer_absent_after_ms,
-                interval_ms=config.settings.dns_poll_ms,
+                absent_after_ms=config.discovery.peer_absent_after_ms,
+                interval_ms=config.discovery.dns_poll_ms,
                 checker=peer_checker,
                 check_timeout_ms=peer_check_timeout_ms,
             )
         self._resolver = resolver
         self._resolve_timeout_s = resolve_timeout_ms / 1000
         self._remote_urls = normalize_remote_urls(
-            config.settings.remote_stargate_urls,
+            config.discovery.remote_stargate_urls,
             self_addresses=(config.advertise_addr,),
-            dns_name=config.settings.dns_name,
+            dns_name=config.discovery.dns_name,
         )
         self._snapshot: WatchSnapshot | None = None
         self._version = 0
@@ -549,7 +549,7 @@ class WatchPublisher:
         self._dns_failing = False
 
     @property
-    def config(self) -> DiscoveryConfig:
+    def config(self) -> PublisherConfig:
         return self._config
 
     @property
@@ -624,7 +624,7 @@ class WatchPublisher:
         snapshot = build_snapshot(
             entries,
             remote_urls=self._remote_urls,
-            grpc_pylon_dial_addr=config.settings.grpc_pylon_dial_addr,
+            grpc_pylon_dial_addr=config.discovery.grpc_pylon_dial_addr,
         )
         return self._announced(snapshot)
 
@@ -636,17 +636,17 @@ class WatchPublisher:
         WARNING is logged once per failure streak so a DNS outage does not flood the log.
         """
         config = self._config
-        assert config.settings.dns_name is not None
+        assert config.discovery.dns_name is not None
         try:
             with trio.fail_after(self._resolve_timeout_s):
-                ips = await self._resolver(config.settings.dns_name)
+                ips = await self._resolver(config.discovery.dns_name)
         except (OSError, trio.TooSlowError) as exc:
             if not self._dns_failing:
                 self._dns_failing = True
                 reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                 log.warning(
                     "DNS lookup of %r failed (%s); publishing only this replica until it succeeds",
-                    config.settings.dns_name,
+                    config.discovery.dns_name,
                     reason,
                 )
             return [config.self_entry]
@@ -655,7 +655,7 @@ class WatchPublisher:
             self._dns_failing = False
             log.info(
                 "DNS lookup of %r succeeded again; publishing %d replica(s)",
-                config.settings.dns_name,
+                config.discovery.dns_name,
                 len(entries),
             )
         return entries
@@ -671,8 +671,8 @@ class WatchPublisher:
         if config.mode is DiscoveryMode.DNS:
             log.info(
                 "WatchStargates discovery: DNS name %r polled every %d ms",
-                config.settings.dns_name,
-                config.settings.dns_poll_ms,
+                config.discovery.dns_name,
+                config.discovery.dns_poll_ms,
             )
         elif config.mode is DiscoveryMode.PEERS:
             peers = len(_merge_peers(config))  # this replica, if listed, is not a peer
@@ -681,8 +681,8 @@ class WatchPublisher:
                     "WatchStargates discovery: %d static peer(s), health-checked every %d ms, "
                     "left out after %d ms without an answer",
                     peers,
-                    config.settings.dns_poll_ms,
-                    config.settings.peer_absent_after_ms,
+                    config.discovery.dns_poll_ms,
+                    config.discovery.peer_absent_after_ms,
                 )
             else:
                 log.info("WatchStargates discovery: %d static peer(s)", peers)
@@ -714,7 +714,7 @@ class WatchPublisher:
             return
         self._log_mode()
         config = self._config
-        interval_s = config.settings.dns_poll_ms / 1000
+        interval_s = config.discovery.dns_poll_ms / 1000
         started = False
         try:
             with trio.CancelScope() as scope:
@@ -733,8 +733,8 @@ class WatchPublisher:
                             snapshot,
                             since_last_ms=None
                             if since is None
-                            else since * config.settings.dns_poll_ms,
-                            heartbeat_ms=config.settings.watch_heartbeat_ms,
+                            else since * config.discovery.dns_poll_ms,
+                            heartbeat_ms=config.discovery.watch_heartbeat_ms,
                         ):
                             self._publish(snapshot)
                             published_tick = tick

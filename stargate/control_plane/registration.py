@@ -55,7 +55,7 @@ from stargate.grpc_asgi import GrpcError, GrpcStatus, RequestStream, RpcContext
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import AlreadyRegistered, Registration, RoutingState
 
-__all__ = ["RegistrationService", "RegistrationSettings"]
+__all__ = ["RegistrationConfig", "RegistrationService"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ SendAck = Callable[[pb.InferenceServerAck], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
-class RegistrationSettings:
+class RegistrationConfig:
     """The idle-timeout flags (0 in either disables idle enforcement) and the probe interval."""
 
     idle_timeout_ms: int = 60_000
@@ -80,12 +80,12 @@ class RegistrationService:
         routing: RoutingState,
         authenticator: Authenticator,
         probe: HealthProbe,
-        settings: RegistrationSettings = RegistrationSettings(),
+        config: RegistrationConfig = RegistrationConfig(),
     ) -> None:
         self._routing = routing
         self._authenticator = authenticator
         self._probe = probe
-        self._settings = settings
+        self._config = config
         self._streams: set[trio.CancelScope] = set()
         self._shutting_down = False
         self._leaving = False
@@ -127,8 +127,8 @@ class RegistrationService:
             raise GrpcError(GrpcStatus.UNAUTHENTICATED, "authentication failed") from None
         idle_timeout = negotiate_idle_timeout(
             context.metadata.get(HEARTBEAT_HEADER),
-            self._settings.idle_timeout_ms,
-            self._settings.max_idle_timeout_ms,
+            self._config.idle_timeout_ms,
+            self._config.max_idle_timeout_ms,
         )
         with trio.CancelScope() as scope:
             self._streams.add(scope)
@@ -204,7 +204,7 @@ class RegistrationService:
         monitor = HealthMonitor(
             registration.identity.url,
             self._probe,
-            self._settings.health_interval_seconds,
+            self._config.health_interval_seconds,
             # Every passing probe lifts a connect-failure demotion (docs/data-plane.md, Retries).
             on_healthy=lambda: self._routing.restore(server_id),
             on_verdict=on_verdict,

@@ -38,7 +38,7 @@ from stargate.proxy.contract import (
     parse_proxy_request,
     parse_unsigned,
 )
-from stargate.proxy.router import Forwarded, LocalError, Router
+from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
 from stargate.proxy.upstream import UpstreamError
 
 __all__ = ["ProxyApp", "UpstreamBodyError"]
@@ -59,14 +59,14 @@ class ProxyApp:
 
     def __init__(
         self,
-        router: Router,
+        forwarder: Forwarder,
         config: ProxyConfig,
         metrics: ProxyMetrics,
         fallback: ASGIApp,
         *,
         activator: Activator | None = None,
     ) -> None:
-        self._router = router
+        self._forwarder = forwarder
         self._activator = activator
         self._config = config
         self._metrics = metrics
@@ -119,7 +119,7 @@ class ProxyApp:
                 client=scope.get("client"),
                 scheme=scope["scheme"],
             )
-            spec = self._router.resolve_algorithm(request)
+            spec = self._forwarder.resolve_algorithm(request)
         except ContractError as error:
             self._count_local(scope["path"], openai_form, error)
             await _respond(send, error, openai_form)
@@ -135,7 +135,7 @@ class ProxyApp:
                 await self._answer(send, request, _pool_error(error))
             else:
                 try:
-                    outcome = await self._router.forward(request, spec, body)
+                    outcome = await self._forwarder.forward(request, spec, body)
                     if isinstance(outcome, LocalError):
                         await self._answer(send, request, outcome.error)
                     else:
@@ -200,7 +200,9 @@ class ProxyApp:
             endpoint=request.endpoint, status_class=f"{status // 100}xx"
         ).inc()
         self._metrics.requests.labels(
-            inference_server_id=server_id, status=str(status), **self._router.metric_labels(request)
+            inference_server_id=server_id,
+            status=str(status),
+            **self._forwarder.metric_labels(request),
         ).inc()
 
     def _count_local(self, path: str, openai_form: bool, error: ContractError) -> None:

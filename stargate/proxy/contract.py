@@ -289,7 +289,7 @@ def parse_proxy_request(
     docs/data-plane.md, Header contract, validation steps 1 and 4.
 
     `headers` must have lower-case names (as ASGI gives them). Algorithm availability (step 2-3)
-    is checked by the router, which knows the load-balancer configuration.
+    is checked by the forwarder, which knows the load-balancer configuration.
     """
     endpoint = ENDPOINTS[path]
     generated = False

@@ -1,6 +1,6 @@
 """The retry rules of one proxied request, as pure functions: no I/O, no clock, no metrics.
 
-docs/data-plane.md, "Forwarding" and "Retries". The router (`router.py`) owns the loop, the
+docs/data-plane.md, "Forwarding" and "Retries". The forwarder (`forwarder.py`) owns the loop, the
 upstream I/O and the metric calls; after each attempt it describes what happened (an `Outcome`),
 asks `decide` what to do with it, applies the counters and exclusions with `record`, and then does
 the I/O the `Decision` names. Keeping the rules here lets them be tested without an event loop, in
@@ -104,7 +104,7 @@ Outcome = TransportFailure | UpstreamHead
 
 
 class Action(enum.Enum):
-    """What the router does after one attempt."""
+    """What the forwarder does after one attempt."""
 
     RESPOND = "respond"  # return the upstream response as final
     FAIL = "fail"  # return the local 502

@@ -20,7 +20,7 @@ h11 pool measured about 2x the throughput. This is that pool, made production-sh
   connection; a connection is returned to the pool only after a complete, reusable response.
 * **Stale connections**: a server may close an idle keep-alive connection at any moment, so a
   reused connection that dies before any response byte is retried once on a fresh connection
-  (see `UpstreamPool.request`).
+  (see `ConnectionPool.request`).
 * **Idle bookkeeping is O(1) per request**: idle connections are kept newest-last; a request takes
   the newest one and checks only its age. Nothing polls idle sockets.
 
@@ -44,12 +44,12 @@ import trio
 
 __all__ = [
     "ConnectError",
-    "PoolConfig",
-    "PoolStats",
-    "PoolTimeout",
+    "ConnectionPool",
+    "ConnectionPoolStats",
+    "ConnectionPoolTimeout",
     "ResponseHeadTimeout",
+    "UpstreamConfig",
     "UpstreamError",
-    "UpstreamPool",
     "UpstreamProtocolError",
     "UpstreamResponse",
     "make_ssl_context",
@@ -85,8 +85,8 @@ def make_ssl_context(ca_file: str | None = None) -> ssl.SSLContext:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolConfig:
-    """Limits and timeouts of an `UpstreamPool` (all durations in seconds).
+class UpstreamConfig:
+    """Limits and timeouts of an `ConnectionPool` (all durations in seconds).
 
     * `connect_timeout`: TCP connect plus TLS handshake of one new connection.
     * `response_head_timeout`: from the start of sending the request until the response head has
@@ -160,7 +160,7 @@ class ConnectError(UpstreamError):
         super().__init__(message, request_sent=False)
 
 
-class PoolTimeout(UpstreamError):
+class ConnectionPoolTimeout(UpstreamError):
     """No connection slot for the origin freed up within `pool_acquire_timeout`.
 
     Nothing was sent: safe to retry, though the origin is saturated.
@@ -291,7 +291,7 @@ class UpstreamResponse:
         "status",
     )
 
-    def __init__(self, pool: UpstreamPool, conn: _Connection, head: h11.Response) -> None:
+    def __init__(self, pool: ConnectionPool, conn: _Connection, head: h11.Response) -> None:
         self._pool = pool
         self._conn: _Connection | None = conn
         self._complete = False
@@ -418,7 +418,7 @@ class UpstreamResponse:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolStats:
+class ConnectionPoolStats:
     """A snapshot for tests and metrics."""
 
     connections_created: int
@@ -434,14 +434,14 @@ class PoolStats:
     """Requests transparently retried because a pooled connection turned out dead."""
 
 
-class UpstreamPool:
+class ConnectionPool:
     """Keep-alive HTTP/1.1 connections to backends, per origin, shared by all requests.
 
     Use one pool per process (or per event loop) and close it at shutdown:
-    `async with UpstreamPool(config) as pool: ...`.
+    `async with ConnectionPool(config) as pool: ...`.
     """
 
-    def __init__(self, config: PoolConfig = PoolConfig()) -> None:
+    def __init__(self, config: UpstreamConfig = UpstreamConfig()) -> None:
         self._config = config
         self._ssl_context = self._config.ssl_context
         self._origins: dict[tuple[str, str], _Origin] = {}
@@ -452,7 +452,7 @@ class UpstreamPool:
         self._stale_retries = 0
 
     @property
-    def config(self) -> PoolConfig:
+    def config(self) -> UpstreamConfig:
         """The configuration this pool was built with."""
         return self._config
 
@@ -498,9 +498,9 @@ class UpstreamPool:
             self._forget_if_unused(origin)
         return closed
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> ConnectionPoolStats:
         """Counts of connections: created, open, in use, and idle per origin."""
-        return PoolStats(
+        return ConnectionPoolStats(
             connections_created=self._created,
             open_connections=self._open,
             in_use_connections=self._in_use,
@@ -532,9 +532,9 @@ class UpstreamPool:
         server does to a connection it considers idle, so the request was almost certainly never
         processed. Unlike Go (which replays only idempotent requests or unsent ones), every method
         is retried here: the residual risk is a backend that crashed mid-request, where the cost is
-        a duplicate inference, and the router retries transport errors anyway (docs/data-plane.md,
-        Retries). Only reused connections qualify: a fresh connection failing the same way raises
-        `UpstreamProtocolError(request_sent=True)` and is never retried here.
+        a duplicate inference, and the forwarder retries transport errors anyway
+        (docs/data-plane.md, Retries). Only reused connections qualify: a fresh connection failing
+        the same way raises `UpstreamProtocolError(request_sent=True)` and is never retried here.
 
         Raises `ValueError` for a bad URL or header, `RuntimeError` after `aclose()`, and the
         `UpstreamError` subclasses (see their docs for which are safe to retry).
@@ -647,7 +647,7 @@ class UpstreamPool:
                 await origin.slots.acquire()
                 acquired = True
             if not acquired:
-                raise PoolTimeout(
+                raise ConnectionPoolTimeout(
                     f"no free connection to {origin.key} within "
                     f"{self._config.pool_acquire_timeout}s "
                     f"({self._config.max_connections_per_origin} in use)"

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 from collections.abc import Set as AbstractSet
 
-from stargate.routing.balancers import (
+from stargate.load_balancing.balancers import (
     Choice,
     LoadBalancer,
     PowerOfN,
@@ -20,7 +20,7 @@ from stargate.routing.balancers import (
     RoundRobin,
     RoutingRequest,
 )
-from stargate.routing.lb_config import (
+from stargate.load_balancing.config import (
     POWER_OF_N,
     RANDOM,
     ROUND_ROBIN,

@@ -1,4 +1,4 @@
-"""The replica's HTTP app (QuartTrio): probes, model listing and the debug state.
+"""The replica's admin HTTP app (QuartTrio): probes, model listing and the debug state.
 
 The proxy routes sit in front of it (`stargate/proxy/app.py`); the probes stay cheap because the
 kubelet calls them every few seconds. Framework errors (404, 405) have an empty `text/plain` body,
@@ -18,10 +18,10 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 
-__all__ = ["create_http_app"]
+__all__ = ["create_admin_app"]
 
 
-def create_http_app(
+def create_admin_app(
     readiness: Readiness,
     routing: RoutingState,
     *,

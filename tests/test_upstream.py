@@ -21,11 +21,11 @@ import trio
 
 from stargate.proxy.upstream import (
     ConnectError,
-    PoolConfig,
-    PoolTimeout,
+    ConnectionPool,
+    ConnectionPoolTimeout,
     ResponseHeadTimeout,
+    UpstreamConfig,
     UpstreamError,
-    UpstreamPool,
     UpstreamProtocolError,
     UpstreamResponse,
     make_ssl_context,
@@ -170,7 +170,7 @@ def header_values(headers: list[list[str]], name: str) -> list[str]:
     return [v for k, v in headers if k == name]
 
 
-async def get_json(pool: UpstreamPool, url: str, **kwargs: Any) -> Any:
+async def get_json(pool: ConnectionPool, url: str, **kwargs: Any) -> Any:
     method = kwargs.pop("method", "GET")
     async with await pool.request(method, url, kwargs.pop("headers", []), **kwargs) as response:
         assert response.status == 200
@@ -182,7 +182,7 @@ async def get_json(pool: UpstreamPool, url: str, **kwargs: Any) -> Any:
 
 async def test_get_and_post_with_body(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, echo)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         got = await get_json(pool, server.url("/v1/models?x=1&y=2"))
         assert got["method"] == "GET"
         assert got["target"] == "/v1/models?x=1&y=2"
@@ -218,7 +218,7 @@ async def test_host_and_content_length_are_set_once_and_other_headers_kept(
         (b"authorization", b"Bearer t"),
         (b"X-Custom", b"2"),
     ]
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         got = await get_json(pool, server.url("/p"), method="POST", headers=headers, body=b"hello")
     sent = got["headers"]
     assert header_values(sent, "host") == [f"127.0.0.1:{server.port}"]
@@ -245,7 +245,7 @@ async def test_response_headers_are_lower_case_as_received_and_no_cookie_jar(
             await echo(conn, request, body)
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         async with await pool.request("GET", server.url("/login"), []) as response:
             assert await response.read() == b"ok"
             assert response.headers[:3] == [
@@ -260,7 +260,7 @@ async def test_response_headers_are_lower_case_as_received_and_no_cookie_jar(
 
 
 async def test_bad_urls_and_headers_are_value_errors_and_leave_nothing_behind() -> None:
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         for url in (
             "ftp://127.0.0.1/",
             "/relative",
@@ -282,7 +282,7 @@ async def test_bad_urls_and_headers_are_value_errors_and_leave_nothing_behind() 
 
 async def test_sequential_requests_reuse_one_connection(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, echo)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         for i in range(5):
             got = await get_json(pool, server.url(f"/r{i}"), method="POST", body=b"x" * i)
             assert got["body"] == "x" * i
@@ -303,7 +303,7 @@ async def test_sequential_requests_reuse_one_connection(nursery: trio.Nursery) -
 async def test_a_large_body_is_sent_intact(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, echo)
     body = bytes(range(97, 123)) * 40_000  # ~1 MB, sent separately from the head
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         got = await get_json(pool, server.url("/big"), method="POST", body=body)
     assert got["body"].encode() == body
 
@@ -313,7 +313,7 @@ async def test_connection_close_responses_are_not_reused(nursery: trio.Nursery) 
         await conn.respond(200, [(b"connection", b"close")], b"bye")
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         for _ in range(2):
             async with await pool.request("GET", server.url(), []) as response:
                 assert await response.read() == b"bye"
@@ -336,7 +336,7 @@ async def test_chunked_and_content_length_bodies_both_keep_the_connection(
             await conn.respond(200, [], b"fixed length")
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         async with await pool.request("GET", server.url("/chunked"), []) as response:
             assert (b"transfer-encoding", b"chunked") in response.headers
             assert await response.read() == b"one two three"
@@ -358,7 +358,7 @@ async def test_close_delimited_bodies_are_read_to_eof_and_not_reused(
         conn.close_after = True
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         async with await pool.request("GET", server.url("/http10"), []) as response:
             assert response.http_version == b"1.0"
             assert await response.read() == b"hello from 1.0"
@@ -385,7 +385,7 @@ async def test_bodyless_statuses_and_head_keep_the_connection_even_unread(
             )
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         async with await pool.request("GET", server.url("/204"), []) as response:
             assert response.status == 204
             assert await response.read() == b""
@@ -400,7 +400,7 @@ async def test_bodyless_statuses_and_head_keep_the_connection_even_unread(
 
 async def test_idle_connections_past_expiry_are_not_reused(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, echo)
-    async with UpstreamPool(PoolConfig(idle_expiry=0.05)) as pool:
+    async with ConnectionPool(UpstreamConfig(idle_expiry=0.05)) as pool:
         await get_json(pool, server.url())
         await trio.sleep(0.1)
         await get_json(pool, server.url())
@@ -418,7 +418,7 @@ async def test_idle_connections_past_expiry_are_not_reused(nursery: trio.Nursery
 
 async def test_idle_connections_are_capped_per_origin(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, echo)
-    async with UpstreamPool(PoolConfig(max_idle_per_origin=2)) as pool:
+    async with ConnectionPool(UpstreamConfig(max_idle_per_origin=2)) as pool:
         responses: list[UpstreamResponse] = []
 
         async def start_one() -> None:
@@ -443,10 +443,10 @@ async def test_idle_connections_are_capped_per_origin(nursery: trio.Nursery) -> 
 
 async def test_pool_acquire_timeout_and_slot_hand_off(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, echo)
-    config = PoolConfig(max_connections_per_origin=1, pool_acquire_timeout=0.1)
-    async with UpstreamPool(config) as pool:
+    config = UpstreamConfig(max_connections_per_origin=1, pool_acquire_timeout=0.1)
+    async with ConnectionPool(config) as pool:
         held = await pool.request("GET", server.url("/held"), [])
-        with pytest.raises(PoolTimeout) as caught:
+        with pytest.raises(ConnectionPoolTimeout) as caught:
             await pool.request("GET", server.url("/waits"), [])
         assert caught.value.request_sent is False
 
@@ -471,7 +471,7 @@ async def test_response_head_timeout(nursery: trio.Nursery) -> None:
         await trio.sleep_forever()
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool(PoolConfig(response_head_timeout=0.2)) as pool:
+    async with ConnectionPool(UpstreamConfig(response_head_timeout=0.2)) as pool:
         started = time.monotonic()
         with pytest.raises(ResponseHeadTimeout) as caught:
             await pool.request("POST", server.url(), [], b"{}")
@@ -488,7 +488,7 @@ async def test_the_streamed_body_has_no_timeout(nursery: trio.Nursery) -> None:
         await conn.send(h11.Data(data=b"second"), h11.EndOfMessage())
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool(PoolConfig(response_head_timeout=0.2)) as pool:
+    async with ConnectionPool(UpstreamConfig(response_head_timeout=0.2)) as pool:
         async with await pool.request("GET", server.url(), []) as response:
             assert await response.read() == b"first,second"
         assert pool.stats().open_connections == 1
@@ -499,7 +499,7 @@ async def test_connect_refused_is_a_connect_error() -> None:
     await listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     listener.close()  # bound once, never listening: connections are refused
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         with pytest.raises(ConnectError) as caught:
             await pool.request("GET", f"http://127.0.0.1:{port}/", [])
         assert caught.value.request_sent is False
@@ -514,7 +514,7 @@ async def test_connect_timeout_is_a_connect_error(monkeypatch: pytest.MonkeyPatc
         raise AssertionError("unreachable")
 
     monkeypatch.setattr(trio, "open_tcp_stream", never_connects)
-    async with UpstreamPool(PoolConfig(connect_timeout=0.1)) as pool:
+    async with ConnectionPool(UpstreamConfig(connect_timeout=0.1)) as pool:
         started = time.monotonic()
         with pytest.raises(ConnectError, match="timed out"):
             await pool.request("GET", "http://127.0.0.1:9/", [])
@@ -530,7 +530,7 @@ async def test_cancelled_while_waiting_for_the_head_closes_the_connection(
         conn.close_after = True
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         with trio.move_on_after(0.1):
             await pool.request("GET", server.url(), [])
         stats = pool.stats()
@@ -552,7 +552,7 @@ async def test_chunks_arrive_one_by_one(nursery: trio.Nursery) -> None:
         await conn.send(h11.Data(data=b"data: 2\n\n"), h11.EndOfMessage())
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         received: list[bytes] = []
         async with await pool.request("POST", server.url(), [], b'{"stream": true}') as response:
             assert (b"content-type", b"text/event-stream") in response.headers
@@ -581,7 +581,7 @@ async def test_data_already_buffered_is_joined_into_one_chunk(nursery: trio.Nurs
         await conn.send(h11.Data(data=b"d"), h11.EndOfMessage())
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool, await pool.request("GET", server.url(), []) as response:
+    async with ConnectionPool() as pool, await pool.request("GET", server.url(), []) as response:
         chunks = response.aiter_bytes()
         assert await chunks.__anext__() == b"abc"
         release.set()
@@ -602,7 +602,7 @@ async def test_server_closing_mid_body_is_an_error_and_the_connection_is_dropped
             await conn.respond(200, [], b"fine")
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         async with await pool.request("GET", server.url("/truncated"), []) as response:
             chunks: list[bytes] = []
             with pytest.raises(UpstreamProtocolError) as caught:
@@ -629,7 +629,7 @@ async def test_consumer_cancelled_mid_body_closes_the_connection(nursery: trio.N
         conn.close_after = True
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         received: list[bytes] = []
         with trio.CancelScope() as scope:  # stands in for the downstream client going away
             async with await pool.request("GET", server.url(), []) as response:
@@ -652,7 +652,7 @@ async def test_a_response_abandoned_mid_body_is_closed_not_pooled(nursery: trio.
         conn.close_after = True
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         response = await pool.request("GET", server.url(), [])
         async for _ in response.aiter_bytes():
             break
@@ -675,7 +675,7 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
         conn.close_after = True  # advertises keep-alive, then closes anyway (idle timeout)
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         await get_json(pool, server.url("/first"))
         await server.wait_disconnects(1)  # the pooled connection is now dead
         assert pool.stats().idle_connections == {f"http://127.0.0.1:{server.port}": 1}
@@ -697,7 +697,7 @@ async def test_a_fresh_connection_closed_without_response_is_not_retried(
         conn.close_after = True  # read the request, answer nothing
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         with pytest.raises(UpstreamProtocolError) as caught:
             await pool.request("POST", server.url(), [], b"{}")
         assert caught.value.request_sent is True
@@ -714,7 +714,7 @@ async def test_stale_retry_that_also_fails_raises_request_sent(nursery: trio.Nur
         conn.close_after = True
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         async with await pool.request("GET", server.url("/first"), []) as response:
             assert await response.read() == b"ok"
         await server.wait_disconnects(1)
@@ -732,7 +732,7 @@ async def test_malformed_response_head_is_a_protocol_error(nursery: trio.Nursery
         conn.close_after = True
 
     server = await start_server(nursery, handler)
-    async with UpstreamPool() as pool:
+    async with ConnectionPool() as pool:
         with pytest.raises(UpstreamProtocolError, match="bad response head"):
             await pool.request("GET", server.url(), [])
         assert pool.stats().open_connections == 0
@@ -743,16 +743,16 @@ async def test_malformed_response_head_is_a_protocol_error(nursery: trio.Nursery
 
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
-        PoolConfig(connect_timeout=0)
+        UpstreamConfig(connect_timeout=0)
     with pytest.raises(ValueError):
-        PoolConfig(response_head_timeout=math.nan)
+        UpstreamConfig(response_head_timeout=math.nan)
     with pytest.raises(ValueError):
-        PoolConfig(max_connections_per_origin=0)
+        UpstreamConfig(max_connections_per_origin=0)
     with pytest.raises(ValueError):
-        PoolConfig(max_idle_per_origin=-1)
+        UpstreamConfig(max_idle_per_origin=-1)
     with pytest.raises(ValueError):
-        PoolConfig(ssl_context=ssl.create_default_context(), ca_file="/x.pem")
-    assert PoolConfig(response_head_timeout=math.inf).response_head_timeout == math.inf
+        UpstreamConfig(ssl_context=ssl.create_default_context(), ca_file="/x.pem")
+    assert UpstreamConfig(response_head_timeout=math.inf).response_head_timeout == math.inf
 
 
 # --- TLS ----------------------------------------------------------------------------------------
@@ -784,7 +784,7 @@ async def test_https_with_sni_and_keep_alive(nursery: trio.Nursery, ca: Any) -> 
     server = await start_tls_server(nursery, ca, sni_seen)
     client_context = ssl.create_default_context()
     ca.configure_trust(client_context)
-    async with UpstreamPool(PoolConfig(ssl_context=client_context)) as pool:
+    async with ConnectionPool(UpstreamConfig(ssl_context=client_context)) as pool:
         for _ in range(2):
             got = await get_json(pool, server.url("/secure"), method="POST", body=b"tls")
             assert got["body"] == "tls"
@@ -797,7 +797,7 @@ async def test_https_with_ca_file(nursery: trio.Nursery, ca: Any, tmp_path: Path
     server = await start_tls_server(nursery, ca, [])
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
-    async with UpstreamPool(PoolConfig(ca_file=str(ca_file))) as pool:
+    async with ConnectionPool(UpstreamConfig(ca_file=str(ca_file))) as pool:
         got = await get_json(pool, server.url("/ca-file"))
         assert got["target"] == "/ca-file"
     context = make_ssl_context(str(ca_file))
@@ -809,7 +809,7 @@ async def test_https_with_an_untrusted_certificate_is_a_connect_error(
     nursery: trio.Nursery, ca: Any
 ) -> None:
     server = await start_tls_server(nursery, ca, [])
-    async with UpstreamPool() as pool:  # system trust store only
+    async with ConnectionPool() as pool:  # system trust store only
         with pytest.raises(ConnectError, match="TLS handshake"):
             await pool.request("GET", server.url(), [])
         assert pool.stats().open_connections == 0

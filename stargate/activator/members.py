@@ -1,11 +1,11 @@
-"""Member readiness: which pool members (model ids) are Ready, with change events.
+"""Member availability: which pool members (model ids) are Ready, with change events.
 
 docs/decisions.md, D7: a member is Ready when its model has at least one active backend in the
 routing state, i.e. `RoutingState.active_backend_count(RoutingTargetKey(None, model)) > 0`. The
 routing state reports every target-count change to one listener; the runtime forwards those calls to
-`MemberReadiness.on_target_count`, which turns them into trio events. Nothing polls.
+`MemberAvailability.on_target_count`, which turns them into trio events. Nothing polls.
 
-The same class is the in-memory source for tests (`set_ready` / `set_count`).
+The same class is the in-memory source for tests (`set_available` / `set_count`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Protocol
 
 import trio
 
-__all__ = ["MemberReadiness", "ReadinessSource", "TargetKeyLike"]
+__all__ = ["AvailabilitySource", "MemberAvailability", "TargetKeyLike"]
 
 
-class ReadinessSource(Protocol):
-    """What the activator needs to know about readiness."""
+class AvailabilitySource(Protocol):
+    """What the activator needs to know about availability."""
 
-    def is_ready(self, model: str) -> bool: ...
+    def is_available(self, model: str) -> bool: ...
 
     async def wait_changed(self, model: str | None = None) -> None:
-        """Return after the next change of `model`'s readiness (any model when None)."""
+        """Return after the next change of `model`'s availability (any model when None)."""
         ...
 
 
@@ -38,12 +38,12 @@ class TargetKeyLike(Protocol):
     def model_id(self) -> str: ...
 
 
-class MemberReadiness:
-    """Active backend counts per model, and events that fire when a model's readiness flips.
+class MemberAvailability:
+    """Active backend counts per model, and events that fire when a model's availability flips.
 
     No-lost-wakeup rule: `wait_changed` snapshots the current event before its first checkpoint,
-    so `while not r.is_ready(m): await r.wait_changed(m)` never misses a change (trio only switches
-    tasks at checkpoints).
+    so `while not r.is_available(m): await r.wait_changed(m)` never misses a change (trio only
+    switches tasks at checkpoints).
     """
 
     def __init__(
@@ -79,28 +79,28 @@ class MemberReadiness:
         if was_ready != (count > 0):
             self._notify(model)
 
-    def set_ready(self, model: str, ready: bool) -> None:
+    def set_available(self, model: str, ready: bool) -> None:
         """Test helper: ready means one active backend."""
         self.set_count(model, 1 if ready else 0)
 
     # ---- reading ----------------------------------------------------------------------------
 
-    def is_ready(self, model: str) -> bool:
+    def is_available(self, model: str) -> bool:
         return self._counts.get(model, 0) > 0
 
     def count(self, model: str) -> int:
         return self._counts.get(model, 0)
 
-    def ready_models(self) -> list[str]:
+    def available_models(self) -> list[str]:
         return sorted(self._counts)
 
     async def wait_changed(self, model: str | None = None) -> None:
         event = self._any if model is None else self._event(model)
         await event.wait()
 
-    async def wait_ready(self, model: str) -> None:
+    async def wait_available(self, model: str) -> None:
         """Return once `model` is Ready (at once if it already is)."""
-        while not self.is_ready(model):
+        while not self.is_available(model):
             await self.wait_changed(model)
 
     # ---- internals --------------------------------------------------------------------------

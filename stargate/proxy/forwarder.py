@@ -32,6 +32,21 @@ from dataclasses import dataclass
 import trio
 
 from stargate.config import ProxyConfig
+from stargate.load_balancing.balancers import (
+    RoutingRequest,
+    choose_backend,
+    expected_queue_ms,
+    input_work_rejection,
+)
+from stargate.load_balancing.config import (
+    AlgorithmSpec,
+    AlgorithmUnavailable,
+    LbConfig,
+    UnknownAlgorithm,
+    parse_algorithm_header,
+    resolve,
+)
+from stargate.load_balancing.registry import BalancerRegistry
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import ContractError, Headers, ProxyRequest
 from stargate.proxy.retry import (
@@ -47,8 +62,8 @@ from stargate.proxy.retry import (
 )
 from stargate.proxy.upstream import (
     ConnectError,
+    ConnectionPool,
     UpstreamError,
-    UpstreamPool,
     UpstreamResponse,
 )
 from stargate.routing import (
@@ -58,28 +73,13 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
-from stargate.routing.balancer_registry import BalancerRegistry
-from stargate.routing.balancers import (
-    RoutingRequest,
-    choose_backend,
-    expected_queue_ms,
-    input_work_rejection,
-)
-from stargate.routing.lb_config import (
-    AlgorithmSpec,
-    AlgorithmUnavailable,
-    LbConfig,
-    UnknownAlgorithm,
-    parse_algorithm_header,
-    resolve,
-)
 
 __all__ = [
     "UNREGISTERED",
     "Forwarded",
+    "Forwarder",
     "HeadWaits",
     "LocalError",
-    "Router",
     "no_eligible_candidates",
 ]
 
@@ -198,13 +198,13 @@ class _RequestContext:
     attempts: Attempts
 
 
-class Router:
+class Forwarder:
     """Chooses backends for proxied requests and runs the attempts against them."""
 
     def __init__(
         self,
         routing: RoutingState,
-        pool: UpstreamPool,
+        pool: ConnectionPool,
         config: ProxyConfig,
         lb_config: LbConfig,
         metrics: ProxyMetrics,

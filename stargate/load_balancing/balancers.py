@@ -4,7 +4,7 @@ Nothing here does I/O or reads a clock. A balancer gets the target's cluster sna
 request's routing inputs and the clusters this request has already failed, and returns a `Choice` or
 None ("nothing choosable now"). Only round-robin keeps state (its counter); every instance belongs
 to one (target, algorithm definition) pair, owned by
-`stargate.routing.balancer_registry.BalancerRegistry` (docs/data-plane.md, LB instances).
+`stargate.load_balancing.registry.BalancerRegistry` (docs/data-plane.md, LB instances).
 
 Scores (docs/data-plane.md, Scores) are plain functions of one cluster snapshot and the request,
 lower is better:

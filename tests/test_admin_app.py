@@ -6,15 +6,15 @@ import trio
 from quart import Response
 from trio.testing import MockClock
 
+from stargate.admin_app import create_admin_app
 from stargate.config import WarmupConfig
-from stargate.http_app import create_http_app
 from stargate.readiness import Readiness
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 
 
 async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
     readiness = Readiness(WarmupConfig(warmup_ms=60_000))
-    app = create_http_app(readiness, RoutingState(), stargate_id="r1")
+    app = create_admin_app(readiness, RoutingState(), stargate_id="r1")
     client = app.test_client()
     assert (await client.get("/healthz")).status_code == 200
     readiness.begin_draining()
@@ -22,7 +22,7 @@ async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
 
 
 async def test_readyz_is_503_while_warming_and_explains_why() -> None:
-    app = create_http_app(
+    app = create_admin_app(
         Readiness(WarmupConfig(warmup_ms=60_000)), RoutingState(), stargate_id="r1"
     )
     response = await app.test_client().get("/readyz")
@@ -35,7 +35,7 @@ async def test_readyz_is_503_while_warming_and_explains_why() -> None:
 
 async def test_readyz_is_200_when_warm_and_503_once_draining() -> None:
     readiness = Readiness(WarmupConfig(warmup_ms=0))
-    client = create_http_app(readiness, RoutingState(), stargate_id="r1").test_client()
+    client = create_admin_app(readiness, RoutingState(), stargate_id="r1").test_client()
     response = await client.get("/readyz")
     assert response.status_code == 200
     assert (await response.get_json())["promotion_reason"] == "disabled"
@@ -50,7 +50,7 @@ async def test_long_streams_are_not_cut_by_quarts_response_timeout(
 ) -> None:
     """Quart's default RESPONSE_TIMEOUT (60 s) would cut this 150 s stream (docs/decisions.md,
     H2)."""
-    app = create_http_app(Readiness(WarmupConfig(warmup_ms=0)), RoutingState(), stargate_id="r1")
+    app = create_admin_app(Readiness(WarmupConfig(warmup_ms=0)), RoutingState(), stargate_id="r1")
 
     @app.get("/slow-stream")
     async def slow_stream() -> Response:
@@ -81,7 +81,7 @@ def _routing_with(models: dict[str | None, list[str]]) -> RoutingState:
 
 async def test_v1_models_lists_unkeyed_active_models_sorted() -> None:
     routing = _routing_with({None: ["b", "a"], "tenant": ["secret"]})
-    client = create_http_app(Readiness(WarmupConfig(0)), routing, stargate_id="r").test_client()
+    client = create_admin_app(Readiness(WarmupConfig(0)), routing, stargate_id="r").test_client()
     response = await client.get("/v1/models")
     assert response.status_code == 200
     assert await response.get_json() == {"model_ids": ["a", "b"]}
@@ -90,7 +90,7 @@ async def test_v1_models_lists_unkeyed_active_models_sorted() -> None:
 
 
 async def test_v1_models_blank_filter_is_400_with_empty_body() -> None:
-    client = create_http_app(
+    client = create_admin_app(
         Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"
     ).test_client()
     response = await client.get("/v1/models?model_ids=a&model_ids=%20")
@@ -100,7 +100,7 @@ async def test_v1_models_blank_filter_is_400_with_empty_body() -> None:
 
 async def test_debug_state_shows_config_and_models_across_routing_keys() -> None:
     routing = _routing_with({None: ["b"], "tenant": ["a"]})
-    app = create_http_app(
+    app = create_admin_app(
         Readiness(WarmupConfig(0)),
         routing,
         stargate_id="r",

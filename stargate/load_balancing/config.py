@@ -22,7 +22,7 @@ semantic one (`request_algorithms` key mismatch, unimplemented algorithm). Every
 starts with the dotted path of the offending key, e.g.
 `models.my-model.sample_count: power-of-n sample_count must be between 1 and 64, got 0`.
 
-The LB instances the resolved definitions select live in `stargate.routing.balancer_registry`.
+The LB instances the resolved definitions select live in `stargate.load_balancing.registry`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from os import PathLike
 from types import MappingProxyType
 from typing import Final, cast
 
-from stargate.routing.balancers import (
+from stargate.load_balancing.balancers import (
     COMPARATORS,
     DEFAULT_COMPARATOR,
     DEFAULT_SAMPLE_COUNT,

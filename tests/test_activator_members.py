@@ -1,4 +1,4 @@
-"""Readiness adapter, fake controller, metrics and lifetime of the activator."""
+"""Availability adapter, fake controller, metrics and lifetime of the activator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from stargate.activator import (
     ActivatorMetrics,
     ActivatorStopped,
     FakeController,
-    MemberReadiness,
+    MemberAvailability,
     PhaseReporter,
     PoolSpec,
 )
@@ -24,54 +24,54 @@ from stargate.routing.state import RoutingTargetKey
 async def test_readiness_follows_unkeyed_target_counts(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    readiness = MemberReadiness()
+    availability = MemberAvailability()
     woke: list[str] = []
 
     async def waiter() -> None:
-        await readiness.wait_ready("coder")
+        await availability.wait_available("coder")
         woke.append("coder")
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(waiter)
         await trio.testing.wait_all_tasks_blocked()
-        readiness.on_target_count(RoutingTargetKey("tenant", "coder"), 2)  # keyed: ignored
+        availability.on_target_count(RoutingTargetKey("tenant", "coder"), 2)  # keyed: ignored
         await trio.testing.wait_all_tasks_blocked()
-        assert woke == [] and not readiness.is_ready("coder")
-        readiness.on_target_count(RoutingTargetKey(None, "coder"), 1)
+        assert woke == [] and not availability.is_available("coder")
+        availability.on_target_count(RoutingTargetKey(None, "coder"), 1)
         await trio.testing.wait_all_tasks_blocked()
-        assert woke == ["coder"] and readiness.count("coder") == 1
-    readiness.on_target_count(RoutingTargetKey(None, "coder"), 0)
-    assert not readiness.is_ready("coder") and readiness.ready_models() == []
-    readiness.seed(["a", "b"], lambda m: 3 if m == "a" else 0)
-    assert readiness.ready_models() == ["a"]
+        assert woke == ["coder"] and availability.count("coder") == 1
+    availability.on_target_count(RoutingTargetKey(None, "coder"), 0)
+    assert not availability.is_available("coder") and availability.available_models() == []
+    availability.seed(["a", "b"], lambda m: 3 if m == "a" else 0)
+    assert availability.available_models() == ["a"]
 
 
 async def test_wait_changed_fires_only_on_flips(autojump_clock: trio.testing.MockClock) -> None:
-    readiness = MemberReadiness({"m": 1})
+    availability = MemberAvailability({"m": 1})
     changes = 0
 
     async def watcher() -> None:
         nonlocal changes
         while True:
-            await readiness.wait_changed()
+            await availability.wait_changed()
             changes += 1
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watcher)
         await trio.testing.wait_all_tasks_blocked()
-        readiness.set_count("m", 4)  # still ready: no event
+        availability.set_count("m", 4)  # still ready: no event
         await trio.testing.wait_all_tasks_blocked()
-        readiness.set_count("m", 0)
+        availability.set_count("m", 0)
         await trio.testing.wait_all_tasks_blocked()
         assert changes == 1
         nursery.cancel_scope.cancel()
 
 
 async def test_fake_controller_models_replicas(autojump_clock: trio.testing.MockClock) -> None:
-    readiness = MemberReadiness()
+    availability = MemberAvailability()
     async with trio.open_nursery() as nursery:
         fake = FakeController(
-            readiness, ("a", "b"), exclusive=True, default_ready_delay=1.0, nursery=nursery
+            availability, ("a", "b"), exclusive=True, default_ready_delay=1.0, nursery=nursery
         )
         assert isinstance(fake, PhaseReporter)
         await fake.activate("a")
@@ -82,8 +82,8 @@ async def test_fake_controller_models_replicas(autojump_clock: trio.testing.Mock
         await fake.activate("b")  # exclusive: a is stopped first
         assert await fake.phase("a") == "Stopped" and fake.up_members() == ["b"]
         await fake.deactivate("b")
-        await trio.sleep(2.0)  # the pending readiness of b was cancelled by the deactivate
-        assert not readiness.is_ready("b")
+        await trio.sleep(2.0)  # the pending availability of b was cancelled by the deactivate
+        assert not availability.is_available("b")
         assert fake.calls == [
             ("activate", "a"),
             ("activate", "a"),
@@ -152,9 +152,9 @@ async def test_held_requests_gauge_and_hold_context_manager(
 
 
 async def test_shutdown_wakes_waiters(autojump_clock: trio.testing.MockClock) -> None:
-    readiness = MemberReadiness()
-    fake = FakeController(readiness, ("a", "b"), default_ready_delay=None)
-    activator = Activator([PoolSpec("p", ("a", "b"))], {"p": fake}, readiness)
+    availability = MemberAvailability()
+    fake = FakeController(availability, ("a", "b"), default_ready_delay=None)
+    activator = Activator([PoolSpec("p", ("a", "b"))], {"p": fake}, availability)
     errors: list[BaseException] = []
 
     async def runner() -> None:

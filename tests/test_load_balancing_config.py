@@ -10,16 +10,14 @@ from typing import Any
 
 import pytest
 
-from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
-from stargate.routing.balancer_registry import BalancerRegistry, create_balancer
-from stargate.routing.balancers import (
+from stargate.load_balancing.balancers import (
     LoadBalancer,
     PowerOfN,
     RandomChoice,
     RoundRobin,
     RoutingRequest,
 )
-from stargate.routing.lb_config import (
+from stargate.load_balancing.config import (
     ALGORITHMS,
     IMPLEMENTED_ALGORITHMS,
     AlgorithmSpec,
@@ -34,6 +32,8 @@ from stargate.routing.lb_config import (
     parse_lb_config,
     resolve,
 )
+from stargate.load_balancing.registry import BalancerRegistry, create_balancer
+from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.routing.state import ClusterSnapshot, RoutingTargetKey
 
 NOT_IMPLEMENTED = "is not implemented yet; use power-of-n, round-robin or random"
