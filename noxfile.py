@@ -63,4 +63,4 @@ def helm(session: nox.Session) -> None:
         "helm-python-sdk==0.2.2", "kubernetes-validate==1.37.0", "yamllint", "pyyaml", "pytest"
     )
     session.install("-e", ".")
-    session.run("pytest", "tests/test_helm_chart.py", "-q", *session.posargs)
+    session.run("pytest", "tests/helm/test_chart.py", "-q", *session.posargs)

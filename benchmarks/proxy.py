@@ -397,7 +397,8 @@ def wait_until(
 
 
 class Registration:
-    """A Pylon-like `RegisterInferenceServer` stream announcing one backend (cf. tests/pylon.py)."""
+    """A Pylon-like `RegisterInferenceServer` stream announcing one backend
+    (cf. tests/fakes/pylon.py)."""
 
     def __init__(self, grpc_port: int, server_id: str, url: str) -> None:
         import grpc

@@ -1,4 +1,5 @@
-"""Shared helpers for tests that start real `stargate` processes on loopback."""
+"""Handles for real `stargate` processes on loopback, shared by the end-to-end tests and the
+fault suite: start, stop, free ports, wait for a condition."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import httpx
-import pytest
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
@@ -91,21 +91,6 @@ def stop(handle: StargateProcess) -> None:
     if handle.process.poll() is None:
         handle.process.kill()
         handle.process.wait()
-
-
-@pytest.fixture
-def start_stargate(tmp_path: Path) -> Iterator[object]:
-    """Start `python -m stargate ARGS...`; every process started is killed at teardown."""
-    started: list[StargateProcess] = []
-
-    def start(*args: str) -> StargateProcess:
-        handle = launch(tmp_path / f"stargate-{len(started)}.log", *args)
-        started.append(handle)
-        return handle
-
-    yield start
-    for handle in started:
-        stop(handle)
 
 
 @dataclass(frozen=True)

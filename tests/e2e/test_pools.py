@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.conftest import Ports, launch, stop, wait_until
+from tests.e2e.processes import Ports, launch, stop, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

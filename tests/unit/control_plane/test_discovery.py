@@ -3,20 +3,17 @@
 Publisher tests run on `autojump_clock` (virtual time that jumps whenever every task is blocked)
 with an in-memory resolver and peer checker, so poll, heartbeat and peer-absence timing is exact
 and no test touches DNS or sleeps for real. Only `test_real_resolver_resolves_localhost` uses
-the system resolver, and one test runs three real replicas on loopback to check static peers end
-to end.
+the system resolver; the static peers end to end, with real replicas, are in
+tests/e2e/test_discovery.py.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import trio
 from trio.testing import MockClock
@@ -39,9 +36,6 @@ from stargate.control_plane.discovery import (
     should_publish,
 )
 from stargate.control_plane.peer_health import PeerHealthMonitor, PeerStatus, next_status
-from stargate.protocol import stargate_pb2 as pb
-from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from tests.conftest import Ports, StargateProcess, launch, stop, wait_until
 
 SELF_IP = "10.0.0.1"
 SELF = f"{SELF_IP}:50071"
@@ -757,51 +751,3 @@ async def test_zero_absent_period_never_checks(autojump_clock: MockClock) -> Non
         assert ids(publisher.current()) == ["10.0.0.3:50071", "sg-0", "sg-1"]
         publisher.stop()
     assert checker.calls == []
-
-
-def _listed(port: int) -> set[str]:
-    """The replica ids the first `WatchStargates` message from the replica at `port` lists."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = pb_grpc.StargateControlPlaneStub(channel).WatchStargates(  # type: ignore[no-untyped-call]
-            pb.WatchStargatesRequest(), timeout=5
-        )
-        snapshot = next(call)
-        call.cancel()
-    return {entry.stargate_id for entry in snapshot.stargates}
-
-
-def test_real_replicas_leave_out_a_killed_static_peer_and_list_it_again_on_restart(
-    tmp_path: Path,
-) -> None:
-    """Three replicas list each other as static peers; one is killed, then restarted."""
-    ports = {name: Ports.pick() for name in ("a", "b", "c")}
-    peers = ",".join(f"{name}=127.0.0.1:{p.grpc}" for name, p in ports.items())
-
-    def start(name: str) -> StargateProcess:
-        return launch(
-            tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.log",
-            "serve",
-            f"--stargate-id={name}",
-            *ports[name].args(),
-            f"--peer={peers}",
-            "--peer-absent-after-ms=1000",
-            "--dns-poll-ms=200",
-            "--readiness-warmup-ms=0",
-            "--shutdown-delay-ms=0",
-        )
-
-    def everyone_lists(names: set[str], among: tuple[str, ...]) -> bool:
-        return all(_listed(ports[name].grpc) == names for name in among)
-
-    processes = {name: start(name) for name in ports}
-    try:
-        wait_until(lambda: everyone_lists({"a", "b", "c"}, ("a", "b", "c")), 20, "three replicas")
-        stop(processes["c"])  # SIGKILL: no goodbye, the port just stops answering
-        killed = time.monotonic()
-        gone = wait_until(lambda: everyone_lists({"a", "b"}, ("a", "b")), 10, "c left out")
-        assert gone - killed >= 1.0  # not before the absent period
-        processes["c"] = start("c")
-        wait_until(lambda: everyone_lists({"a", "b", "c"}, ("a", "b", "c")), 20, "c listed again")
-    finally:
-        for process in processes.values():
-            stop(process)

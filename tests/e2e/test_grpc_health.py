@@ -58,7 +58,7 @@ from stargate.protocol import stargate_pb2 as pb
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState
 from stargate.serving import bind_listener, serve_asgi
-from tests.conftest import Ports, StargateProcess, launch, stop, wait_until
+from tests.e2e.processes import Ports, StargateProcess, launch, stop, wait_until
 
 CONTROL_PLANE = "stargate.StargateControlPlane"
 MODEL_DISCOVERY = "stargate.StargateModelDiscovery"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
-from tests.conftest import Ports, StargateProcess, wait_until
+from tests.e2e.processes import Ports, StargateProcess, wait_until
 
 WARMUP_MS = 1_500
 

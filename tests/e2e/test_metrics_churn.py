@@ -17,8 +17,8 @@ import trio
 
 from stargate.config import ListenAddress, ServeConfig, WarmupConfig
 from stargate.runtime import BoundAddresses, Replica
-from tests.conftest import MockBackendProcess, launch_mock_backend
-from tests.pylon import PylonStream, registration
+from tests.e2e.processes import MockBackendProcess, launch_mock_backend
+from tests.fakes.pylon import PylonStream, registration
 
 CHURNED = 200
 GRACE = 1.0  # seconds; the sweep then runs every GRACE / 4

@@ -1,6 +1,6 @@
 """The leave phase of a shutdown (docs/rolling-restarts.md), with real processes on loopback:
 after SIGTERM a replica serves on for `--shutdown-delay-ms` while telling clients to move on, then
-stops accepting and drains. The whole-rollout check is tests/test_rollout.py."""
+stops accepting and drains. The whole-rollout check is tests/e2e/test_rollout.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pytest
 
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from tests.conftest import MockBackendProcess, launch_mock_backend, wait_until
-from tests.test_proxy_e2e import ProxyReplica, start_proxy_replica
+from tests.e2e.processes import MockBackendProcess, launch_mock_backend, wait_until
+from tests.e2e.test_proxy import ProxyReplica, start_proxy_replica
 
 HEADERS = {"x-request-id": "r", "x-input-tokens": "1", "x-model": "model-a"}
 CHAT = {"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}

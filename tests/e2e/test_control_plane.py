@@ -18,8 +18,8 @@ import pytest
 
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from tests.conftest import Ports, StargateProcess, launch, stop, wait_until
-from tests.pylon import ACTIVE, INACTIVE, FakeBackend, PylonStream, registration
+from tests.e2e.processes import Ports, StargateProcess, launch, stop, wait_until
+from tests.fakes.pylon import ACTIVE, INACTIVE, FakeBackend, PylonStream, registration
 
 
 class Replica:

@@ -37,7 +37,7 @@ import pytest
 
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from tests.conftest import (
+from tests.e2e.processes import (
     MockBackendProcess,
     Ports,
     StargateProcess,

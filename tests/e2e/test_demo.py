@@ -11,7 +11,7 @@ import threading
 
 import httpx
 
-from tests.conftest import Ports, wait_until
+from tests.e2e.processes import Ports, wait_until
 
 
 def test_demo_turns_ready_serves_a_stream_and_exits_0_on_sigint() -> None:

@@ -38,7 +38,7 @@ from stargate.pylon.snapshot import (
     parse_watch_response,
     reachable_watches,
 )
-from tests.conftest import (
+from tests.e2e.processes import (
     MockBackendProcess,
     Ports,
     StargateProcess,

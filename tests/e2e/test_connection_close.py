@@ -24,7 +24,7 @@ import h11
 import httpx
 import pytest
 
-from tests.conftest import (
+from tests.e2e.processes import (
     MockBackendProcess,
     Ports,
     StargateProcess,
@@ -34,8 +34,8 @@ from tests.conftest import (
     stop,
     wait_until,
 )
-from tests.pylon import PylonStream, registration
-from tests.test_h2_streams import H2Conn, start_replica
+from tests.e2e.test_h2_streams import H2Conn, start_replica
+from tests.fakes.pylon import PylonStream, registration
 
 MODEL = "model-a"
 PROXY_HEADERS = {"x-request-id": "conn-close", "x-input-tokens": "10", "x-model": MODEL}

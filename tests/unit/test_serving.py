@@ -1,5 +1,5 @@
 """The serving plumbing of `stargate/serving.py`: the shared shutdown-signal watcher (signals come
-from a memory channel, as in tests/test_runtime.py) and listener binding."""
+from a memory channel, as in tests/unit/test_runtime.py) and listener binding."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from stargate.grpc_asgi import GrpcApp, RpcContext, unary_unary
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
-from tests.conftest import Ports, StargateProcess, wait_until
+from tests.e2e.processes import Ports, StargateProcess, wait_until
 
 REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 LIST_MODELS = "/stargate.StargateModelDiscovery/ListModels"

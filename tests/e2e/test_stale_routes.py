@@ -22,10 +22,10 @@ import trio
 
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
-from tests.conftest import MockBackendProcess, launch_mock_backend, wait_until
-from tests.pylon import INACTIVE, registration
-from tests.test_proxy_e2e import ProxyReplica, start_proxy_replica
-from tests.test_pylon import PylonProcess
+from tests.e2e.processes import MockBackendProcess, launch_mock_backend, wait_until
+from tests.e2e.test_proxy import ProxyReplica, start_proxy_replica
+from tests.e2e.test_pylon import PylonProcess
+from tests.fakes.pylon import INACTIVE, registration
 
 HEAD_TIMEOUT_MS = 30_000  # the default: the moves below must not be the head timeout's doing
 MOVED_WITHIN = 10.0  # seconds; well under the head timeout

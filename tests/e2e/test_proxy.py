@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from tests.conftest import (
+from tests.e2e.processes import (
     MockBackendProcess,
     Ports,
     StargateProcess,
@@ -22,7 +22,7 @@ from tests.conftest import (
     stop,
     wait_until,
 )
-from tests.pylon import INACTIVE, PylonStream, registration
+from tests.fakes.pylon import INACTIVE, PylonStream, registration
 
 HEADERS = {"x-request-id": "req-1", "x-input-tokens": "10", "x-model": "model-a"}
 CHAT = {"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MockBackendProcess, launch_mock_backend
-from tests.pylon import INACTIVE
-from tests.test_proxy_e2e import ProxyReplica, start_proxy_replica
+from tests.e2e.processes import MockBackendProcess, launch_mock_backend
+from tests.e2e.test_proxy import ProxyReplica, start_proxy_replica
+from tests.fakes.pylon import INACTIVE
 
 RUST = {"x-request-id": "req-1", "x-input-tokens": "10"}
 CHAT = {"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}

@@ -1,7 +1,7 @@
 """Stale routes die fast (docs/stale-routes.md), without processes: the probe verdict rule, its
 effect on a registration's routes between Pylon updates, the routing state's unroutable listener,
 and the forwarder's cancellation of attempts waiting for a response head. Virtual time (MockClock)
-throughout; the real-process checks are in tests/test_stale_routes.py."""
+throughout; the real-process checks are in tests/e2e/test_stale_routes.py."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
-from tests.pylon import INACTIVE, registration
+from tests.fakes.pylon import INACTIVE, registration
 
 M = RoutingTargetKey(None, "m")
 OTHER = RoutingTargetKey(None, "other")

@@ -33,7 +33,7 @@ def _config(**overrides: Any) -> ServeConfig:
         "listen_addr": ListenAddress("127.0.0.1", 0),
         "model_discovery_listen_addr": ListenAddress("127.0.0.1", 0),
         "metrics_port": 0,
-        "shutdown_delay_ms": 0,  # the leave phase is tested in tests/test_rolling_restart.py
+        "shutdown_delay_ms": 0,  # the leave phase is tested in tests/e2e/test_rolling_restart.py
         "shutdown_drain_timeout_ms": 5_000,
         "warmup": WarmupConfig(warmup_ms=0),
     }
