@@ -367,7 +367,9 @@ def parse_proxy_request(
 def _model_from_body(body: bytes) -> str:
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: nesting deeper than the interpreter's stack (200,000 `[`) is bad input
+        # like any other, answered 400 rather than 500 with a traceback.
         raise _bad_body('request body must be JSON with a "model" field') from None
     model = document.get("model") if isinstance(document, dict) else None
     if not isinstance(model, str) or not model.strip():

@@ -195,7 +195,18 @@ def test_openai_mode_keeps_headers_that_are_sent() -> None:
     )
 
 
-@pytest.mark.parametrize("body", [b"not json", b"[]", b'{"messages": []}', b'{"model": "  "}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[]",
+        b'{"messages": []}',
+        b'{"model": "  "}',
+        b"[" * 200_000,  # deeper than the interpreter's stack: RecursionError inside json
+        b'{"model": "m", "messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+    ],
+    ids=["not-json", "array", "no-model", "blank-model", "deep-open", "deep-balanced"],
+)
 def test_openai_mode_rejects_bodies_without_a_model_with_a_json_error(body: bytes) -> None:
     with pytest.raises(ContractError) as caught:
         _parse([], body, accept_openai_requests=True)
