@@ -13,6 +13,7 @@ import logging
 import re
 from urllib.parse import urlsplit
 
+from stargate.addresses import ip_literal, is_host_name
 from stargate.grpc_asgi import GrpcError, GrpcStatus
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity
@@ -60,7 +61,22 @@ def validate_backend_url(url: str) -> None:
         raise _invalid_url("scheme must be http or https")
     if not parts.hostname:
         raise _invalid_url("must include host")
+    if not _valid_host(parts.netloc):
+        raise _invalid_url("must be a valid URL")
     del port  # parsed only to reject malformed ports; http(s) have default ports
+
+
+def _valid_host(netloc: str) -> bool:
+    """Whether the authority's host is an IP literal or a DNS name. `urlsplit` is lenient: it
+    keeps a space inside a host and drops text after an IPv6 literal's `]`, so `http://pyl on`
+    and `http://[::1]junk:80` would otherwise be admitted and fail only at connect time."""
+    host_port = netloc.rpartition("@")[2]
+    if host_port.startswith("["):
+        end = host_port.find("]")
+        rest = host_port[end + 1 :]
+        return end > 0 and ip_literal(host_port[1:end]) is not None and (not rest or rest[0] == ":")
+    host = host_port.partition(":")[0]
+    return is_host_name(host) or ip_literal(host) is not None
 
 
 def admit(message: pb.InferenceServerRegistration, routing_key: str | None) -> RegistrationIdentity:
