@@ -1,0 +1,39 @@
+"""A keep-alive HTTP/1.1 client pool on trio sockets (h11), for proxying requests to backends.
+
+Not httpx, whose per-request CPU the proxy cannot afford (docs/decisions.md, D10). Laid out like
+httpcore, one concern per file:
+
+* `config.py`: `UpstreamConfig` (limits and timeouts) and `make_ssl_context`.
+* `errors.py`: the `UpstreamError` family; `request_sent` is the retry rule.
+* `connection.py`: one connection (socket + h11 state machine) and its exchange: request framing,
+  sending, the response head, and `UpstreamResponse`, which streams the body and gives the
+  connection back through a release callback.
+* `connection_pool.py`: `ConnectionPool`: origins, idle connections, slots, the acquire timeout,
+  idle expiry, the one retry of a stale reused connection; and `ConnectionPoolStats`.
+
+Import from here; the submodules' other names are internal.
+"""
+
+from stargate.proxy.upstream.config import UpstreamConfig, make_ssl_context
+from stargate.proxy.upstream.connection import UpstreamResponse
+from stargate.proxy.upstream.connection_pool import ConnectionPool, ConnectionPoolStats
+from stargate.proxy.upstream.errors import (
+    ConnectError,
+    ConnectionPoolTimeout,
+    ResponseHeadTimeout,
+    UpstreamError,
+    UpstreamProtocolError,
+)
+
+__all__ = [
+    "ConnectError",
+    "ConnectionPool",
+    "ConnectionPoolStats",
+    "ConnectionPoolTimeout",
+    "ResponseHeadTimeout",
+    "UpstreamConfig",
+    "UpstreamError",
+    "UpstreamProtocolError",
+    "UpstreamResponse",
+    "make_ssl_context",
+]

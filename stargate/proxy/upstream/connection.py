@@ -1,0 +1,392 @@
+"""One keep-alive HTTP/1.1 connection to a backend (a trio stream plus its h11 state machine) and
+the exchange of one request on it: framing and sending the request, receiving the response head,
+and `UpstreamResponse`, which reads the body and then hands the connection back.
+
+What the pool around it decides (which connection, how many, how long they idle) is in
+`connection_pool.py`; this file knows nothing of it. A response gives its connection back through
+the `release` callback the connection was created with, called exactly once, with
+`reusable=True` only after a complete, unbroken body (as httpcore's response stream closes
+through its connection).
+
+* **Bytes in, bytes out.** No cookie jar (a shared httpx client leaks `Set-Cookie` between its
+  users), no redirects, no decompression, no proxy settings from the environment: the proxy
+  forwards exactly what the backend sent (docs/decisions.md, D10).
+* **Framing is ours** (h11 adds neither header): `host` and `content-length` are set by
+  `build_request`, replacing any the caller passed, and the body is always sent with
+  `content-length` (never chunked).
+* **Head timeout** (docs/data-plane.md, Timeouts): from the first request byte until the response
+  head; the body has none, since it may stream for as long as the backend generates tokens.
+* **Streaming** (docs/data-plane.md, Streaming): `UpstreamResponse.aiter_bytes()` yields data as
+  it arrives; data that is already buffered when the consumer asks is joined into one chunk, which
+  saves downstream sends without ever waiting for more.
+* **Cancellation** (docs/data-plane.md, Cancellation): a cancelled request or body read leaves
+  the connection mid-message, so it is released as not reusable (closed); only a complete,
+  reusable response returns it to the pool.
+* **Stale connections**: a reused connection that is closed or reset before any byte of the
+  response arrived raises the internal `_DeadBeforeResponse`, on which the pool retries once on a
+  fresh connection (the reasoning is at `ConnectionPool.request`).
+
+Closing is the pool's job (it counts open connections): after a failed `exchange` the caller
+closes the connection, and a response closes it by releasing it as not reusable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Final, Self, TypeAlias, cast
+
+import h11
+import trio
+
+from stargate.proxy.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
+
+if TYPE_CHECKING:
+    from stargate.proxy.upstream.connection_pool import Origin
+
+__all__ = ["Connection", "Release", "UpstreamResponse", "build_request"]
+
+# One receive per wake-up: large enough that a whole small response, or a burst of SSE events,
+# is one syscall.
+_RECEIVE_SIZE: Final = 65536
+# Bodies up to this size are sent in the same `send_all` as the head (one copy, one syscall);
+# larger ones are sent separately to avoid copying them.
+_COALESCE_LIMIT: Final = 65536
+# Request headers that this module owns (docs/decisions.md, D10). `transfer-encoding` too: the
+# body is always framed with `content-length`, and a leftover `transfer-encoding: chunked` would
+# contradict it.
+_OWNED_HEADERS: Final = frozenset({b"host", b"content-length", b"transfer-encoding"})
+# Methods that send `content-length` only when they actually carry a body (RFC 9110 §8.6: a client
+# should not send `content-length: 0` where the method defines no meaning for content).
+_BODYLESS_METHODS: Final = frozenset({b"GET", b"HEAD", b"DELETE", b"OPTIONS", b"TRACE"})
+
+Release: TypeAlias = Callable[["Connection", bool], None]
+"""Gives a connection back to its owner: `release(conn, reusable)`. Reusable means the response
+was complete and unbroken; the owner still checks that the h11 machine can start a new cycle."""
+
+
+class _DeadBeforeResponse(Exception):
+    """Internal: the connection was closed or reset before any byte of the response arrived."""
+
+    def __init__(self, *, request_sent: bool) -> None:
+        super().__init__("connection closed before any response byte arrived")
+        self.request_sent = request_sent
+
+
+def build_request(
+    method: str,
+    host_header: bytes,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> h11.Request:
+    """The request head: `headers` as given except the owned ones, plus `host` and (when there is
+    a body, or the method defines one) `content-length`. Raises `ValueError` for a bad header.
+
+    Built once per request, before a connection is chosen, so a stale-connection retry sends the
+    same head again.
+    """
+    method_bytes = method.encode("ascii")
+    out: list[tuple[bytes, bytes]] = [(b"host", host_header)]
+    for name, value in headers:
+        if name.lower() not in _OWNED_HEADERS:
+            out.append((name, value))
+    if body or method_bytes not in _BODYLESS_METHODS:
+        out.append((b"content-length", b"%d" % len(body)))
+    try:
+        return h11.Request(method=method_bytes, target=target, headers=out)
+    except h11.LocalProtocolError as exc:
+        raise ValueError(f"invalid upstream request: {exc}") from exc
+
+
+class Connection:
+    """One socket (plain or TLS) with its h11 state machine.
+
+    `origin`, `idle_since` and `reused` are the pool's bookkeeping; `reused` also decides whether
+    a dead connection is reported as `_DeadBeforeResponse` (retryable by the pool) or as an error.
+    """
+
+    __slots__ = (
+        "closed",
+        "h11",
+        "idle_since",
+        "origin",
+        "release",
+        "reused",
+        "socket_stream",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        origin: Origin,
+        stream: trio.abc.Stream,
+        socket_stream: trio.SocketStream,
+        release: Release,
+    ) -> None:
+        self.origin = origin
+        self.stream = stream
+        self.socket_stream = socket_stream
+        self.release = release
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+        self.reused = False
+        self.closed = False
+
+    async def exchange(
+        self, head: h11.Request, body: bytes, head_timeout: float
+    ) -> UpstreamResponse:
+        """Write the request and read the response head; the response then holds this connection.
+
+        On any failure (including `_DeadBeforeResponse` and cancellation) the connection is left
+        mid-message: the caller must close it.
+        """
+        request_sent = False
+        try:
+            with trio.fail_after(head_timeout):
+                await self._send_request(head, body)
+                request_sent = True
+                response = await self._receive_head()
+        except trio.TooSlowError:
+            raise ResponseHeadTimeout(
+                f"no response head from {self.origin.key} within {head_timeout}s",
+                request_sent=request_sent,
+            ) from None
+        return UpstreamResponse(self, response, self.release)
+
+    def close(self) -> bool:
+        """Close the socket; False if it was already closed."""
+        if self.closed:
+            return False
+        # Closing the socket is synchronous in trio; for TLS this skips close_notify, which HTTP
+        # framing makes unnecessary (and which could block on a peer that stopped reading).
+        self.closed = True
+        self.socket_stream.socket.close()
+        return True
+
+    async def _send_request(self, head: h11.Request, body: bytes) -> None:
+        machine = self.h11
+        data = machine.send(head)
+        if body:
+            # Content-length framing writes the body verbatim; this call only advances h11's
+            # bookkeeping, so the body itself is sent below without an extra copy.
+            machine.send_with_data_passthrough(h11.Data(data=body))
+        machine.send(h11.EndOfMessage())
+        try:
+            if len(body) <= _COALESCE_LIMIT:
+                await self.stream.send_all(data + body)
+            else:
+                await self.stream.send_all(data)
+                await self.stream.send_all(body)
+        except trio.BrokenResourceError as exc:
+            if self.reused:
+                raise _DeadBeforeResponse(request_sent=False) from exc
+            raise UpstreamProtocolError(
+                f"connection to {self.origin.key} lost while sending the request",
+                request_sent=False,
+            ) from exc
+
+    async def _receive_head(self) -> h11.Response:
+        machine = self.h11
+        received = False
+        while True:
+            try:
+                event = machine.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise UpstreamProtocolError(
+                    f"bad response head from {self.origin.key}: {exc}", request_sent=True
+                ) from exc
+            if event is h11.NEED_DATA:
+                try:
+                    data = await self.stream.receive_some(_RECEIVE_SIZE)
+                except trio.BrokenResourceError as exc:
+                    if not received:
+                        raise _DeadBeforeResponse(request_sent=True) from exc
+                    raise UpstreamProtocolError(
+                        f"connection to {self.origin.key} lost while reading the response head",
+                        request_sent=True,
+                    ) from exc
+                if not data and not received:
+                    raise _DeadBeforeResponse(request_sent=True)
+                received = True
+                machine.receive_data(cast(bytes, data))
+            elif isinstance(event, h11.Response):
+                return event
+            elif not isinstance(event, h11.InformationalResponse):  # 1xx: skip, wait for more
+                raise UpstreamProtocolError(
+                    f"unexpected {type(event).__name__} from {self.origin.key} before the "
+                    "response head",
+                    request_sent=True,
+                )
+
+
+# --- the response ---------------------------------------------------------------------------
+
+
+class _BodyIterator:
+    """`async for` over the body; a plain iterator rather than an async generator so that a
+    consumer breaking out of the loop leaves nothing for the garbage collector to finalize."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._response._next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+
+class UpstreamResponse:
+    """A response whose head has arrived; the body is read on demand.
+
+    It holds its connection (and the origin's connection slot) until the body is complete or the
+    response is closed, so always close it: `async with response:` or `await response.aclose()`.
+    A complete body returns the connection to the pool at once; closing before that closes the
+    socket (the rest of the body would have to be read to reuse it, and a consumer that stops
+    reading, e.g. a disconnected client, must not keep the backend generating).
+
+    Either way the connection goes back through `release`, exactly once: `reusable` is True only
+    after a complete, unbroken body.
+
+    Not safe for concurrent use by several tasks.
+    """
+
+    __slots__ = (
+        "_broken",
+        "_complete",
+        "_conn",
+        "_release",
+        "headers",
+        "http_version",
+        "reason",
+        "status",
+    )
+
+    def __init__(self, conn: Connection, head: h11.Response, release: Release) -> None:
+        self._release = release
+        self._conn: Connection | None = conn
+        self._complete = False
+        self._broken = False
+        self.status: int = head.status_code
+        # h11 lower-cases names while iterating; values and order are as received.
+        self.headers: list[tuple[bytes, bytes]] = list(head.headers)
+        self.reason: bytes = head.reason
+        self.http_version: bytes = head.http_version
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: each chunk is what was available at that moment (never
+        waits to fill a buffer). Raises `UpstreamProtocolError` if the body ends early."""
+        return _BodyIterator(self)
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        chunks: list[bytes] = []
+        while (chunk := await self._next_chunk()) is not None:
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def aclose(self) -> None:
+        """Give the connection back (complete body) or close it (anything else). Idempotent."""
+        if self._conn is not None and not self._complete and not self._broken:
+            self._drain_buffered()
+        self._finish()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<UpstreamResponse {self.status} {self.reason.decode('latin-1')!r}>"
+
+    async def _next_chunk(self) -> bytes | None:
+        """The data available now (waiting only if there is none), or None at the end."""
+        if self._complete:
+            return None
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("the response is closed")
+        if self._broken:
+            raise UpstreamProtocolError("the response body already failed", request_sent=True)
+        machine = conn.h11
+        chunks: list[bytes | bytearray] = []
+        try:
+            while True:
+                event = machine.next_event()
+                if isinstance(event, h11.Data):
+                    if event.data:
+                        chunks.append(event.data)
+                elif event is h11.NEED_DATA:
+                    if chunks:
+                        break
+                    # h11 accepts any bytes-like object; its annotation says bytes.
+                    data = await conn.stream.receive_some(_RECEIVE_SIZE)
+                    machine.receive_data(cast(bytes, data))
+                elif isinstance(event, h11.EndOfMessage):
+                    self._complete = True
+                    break
+                else:
+                    raise UpstreamProtocolError(
+                        f"unexpected {type(event).__name__} in the response body",
+                        request_sent=True,
+                    )
+        except h11.RemoteProtocolError as exc:
+            self._broken = True
+            raise UpstreamProtocolError(
+                f"response body from {conn.origin.key} ended early or is malformed: {exc}",
+                request_sent=True,
+            ) from exc
+        except trio.BrokenResourceError as exc:
+            self._broken = True
+            raise UpstreamProtocolError(
+                f"connection to {conn.origin.key} lost mid-body", request_sent=True
+            ) from exc
+        except BaseException:
+            # Cancellation (client disconnect) or our own error above: the connection is in the
+            # middle of a message and can never be reused.
+            self._broken = True
+            raise
+        if self._complete:
+            # Hand the connection back now: a consumer that read everything but forgets
+            # `aclose()` must not pin the slot.
+            self._finish()
+        if not chunks:
+            return None
+        if len(chunks) == 1:
+            return bytes(chunks[0])
+        return b"".join(chunks)
+
+    def _drain_buffered(self) -> None:
+        """Consume what is already buffered (no I/O): a 204, a HEAD response or a small body
+        that arrived with the head can then still return its connection to the pool."""
+        assert self._conn is not None
+        machine = self._conn.h11
+        try:
+            while True:
+                event = machine.next_event()
+                if isinstance(event, h11.EndOfMessage):
+                    self._complete = True
+                    return
+                if not isinstance(event, h11.Data):
+                    return
+        except h11.RemoteProtocolError:
+            self._broken = True
+
+    def _finish(self) -> None:
+        # `_conn` is cleared first, so `release` runs at most once however often this is called.
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._release(conn, self._complete and not self._broken)
