@@ -20,7 +20,8 @@ misspelt `holdBudget` would quietly fall back to the swap budget; a member missi
 controller would only fail at the first swap, under load). So every unknown key, wrong type or
 cross-reference error fails startup, and every message starts with the key path that is wrong, e.g.
 `pools[0] (gpu0).swapBudget: invalid duration 'ninety'`. Duplicate YAML keys are errors too, since
-PyYAML would otherwise keep the last one without a word.
+PyYAML would otherwise keep the last one without a word. The strict loading and the checks the
+load-balancer config shares live in `stargate.documents`; the rules and messages stay here.
 
 Durations are Go-style strings (`90s`, `1h30m`, `500ms`) as in LLMKube's CRDs, or bare numbers of
 seconds. Unlike the Go wire config nothing here is in nanoseconds. A swap or hold budget of 0 means
@@ -44,6 +45,7 @@ import yaml
 
 from stargate.activator.pool import PoolSpec
 from stargate.activator.state import Mode
+from stargate.documents import TypeWords, is_integer, is_number, load_yaml, unknown_keys
 
 __all__ = [
     "DEFAULT_HEALTH_PATH",
@@ -352,7 +354,7 @@ def load_pool_config(path: str | PathLike[str]) -> PoolsConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise PoolConfigError(f"{source}: cannot read pool config: {exc}") from exc
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+        data = load_yaml(text)  # duplicate keys are errors too
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -462,9 +464,7 @@ def _optional_duration(raw: Mapping[Any, Any], key: str, where: str) -> float | 
     if value is None:
         return None
     path = f"{where}.{key}"
-    if isinstance(value, bool):
-        raise PoolConfigError(f"{path}: invalid duration {value!r}")
-    if isinstance(value, int | float):
+    if is_number(value):  # not a bool: `true` falls through to "invalid duration True"
         if not math.isfinite(value) or value < 0:
             raise PoolConfigError(f"{path}: invalid duration {value!r}: must be >= 0 seconds")
         return float(value)
@@ -487,7 +487,7 @@ def _activation(raw: object, where: str) -> Mode:
 def _max_held(raw: object, where: str) -> int:
     if raw is None:
         return 1000
-    if isinstance(raw, bool) or not isinstance(raw, int):
+    if not is_integer(raw):
         raise PoolConfigError(f"{where}: expected a positive integer, got {raw!r}")
     if raw <= 0:
         raise PoolConfigError(f"{where}: must be > 0, got {raw}")
@@ -630,54 +630,31 @@ def _string(value: object, where: str) -> str:
 
 
 def _reject_unknown(raw: Mapping[Any, Any], allowed: tuple[str, ...], where: str) -> None:
-    for key in raw:
-        if key not in allowed:
-            hint = ""
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            if close:
-                hint = f" (did you mean {close[0]!r}?)"
-            elif allowed:
-                hint = f" (expected: {', '.join(allowed)})"
-            label = "unknown top-level key" if where == "top level" else "unknown key"
-            prefix = "" if where == "top level" else f"{where}: "
-            raise PoolConfigError(f"{prefix}{label} {key!r}{hint}")
+    """Fail on the first unknown key, suggesting the closest allowed one."""
+    unknown = unknown_keys(raw, allowed)
+    if not unknown:
+        return
+    key = unknown[0]
+    hint = ""
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    if close:
+        hint = f" (did you mean {close[0]!r}?)"
+    elif allowed:
+        hint = f" (expected: {', '.join(allowed)})"
+    label = "unknown top-level key" if where == "top level" else "unknown key"
+    prefix = "" if where == "top level" else f"{where}: "
+    raise PoolConfigError(f"{prefix}{label} {key!r}{hint}")
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "nothing (null or empty)"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
+def _yaml_scalar(value: object) -> str:
     if isinstance(value, str):
         return f"the string {value!r}"
     return f"{type(value).__name__} {value!r}"
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """`SafeLoader` that rejects duplicate mapping keys: PyYAML keeps the last one silently, which
-    would drop, say, one of two `model-a:` controller entries without a trace."""
+_TYPE_WORDS: Final = TypeWords(
+    null="nothing (null or empty)", mapping="a mapping", sequence="a list", scalar=_yaml_scalar
+)
+"""What a message says the file holds: `got a list`, `got the string 'x'`, `got int 7`."""
 
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:  # an unhashable key; let the base constructor report it
-            break
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping",
-                node.start_mark,
-                f"duplicate key {key!r}",
-                key_node.start_mark,
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_type_name: Final = _TYPE_WORDS.describe

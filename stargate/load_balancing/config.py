@@ -22,7 +22,9 @@ semantic one (`request_algorithms` key mismatch, unimplemented algorithm). Every
 starts with the dotted path of the offending key, e.g.
 `models.my-model.sample_count: power-of-n sample_count must be between 1 and 64, got 0`.
 
-The LB instances the resolved definitions select live in `stargate.load_balancing.registry`.
+The file is read strictly (`stargate.documents`, shared with the activator's pool file): NaN,
+Infinity and duplicate keys are errors, as for upstream's serde_json. The rules and messages stay
+here. The LB instances the resolved definitions select live in `stargate.load_balancing.registry`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ from os import PathLike
 from types import MappingProxyType
 from typing import Final, cast
 
+from stargate.documents import (
+    StrictJsonError,
+    TypeWords,
+    is_integer,
+    is_number,
+    join_path,
+    load_json,
+    unknown_keys,
+)
 from stargate.load_balancing.balancers import (
     COMPARATORS,
     DEFAULT_COMPARATOR,
@@ -267,20 +278,16 @@ def _sample_count_message(value: object) -> str:
     return f"power-of-n sample_count must be between 1 and {MAX_SAMPLE_COUNT}, got {value}"
 
 
-def _describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
+def _json_scalar(value: object) -> str:
     return json.dumps(value) if isinstance(value, str | int | float) else repr(value)
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+_TYPE_WORDS: Final = TypeWords(
+    null="null", mapping="an object", sequence="an array", scalar=_json_scalar
+)
+"""What a message says the file holds, in JSON's words: `got an array`, `got "4"`, `got true`."""
+
+_describe: Final = _TYPE_WORDS.describe
 
 
 # Field checkers: (value, path) -> normalised value; raise LbConfigError.
@@ -302,7 +309,7 @@ def _check_string(value: object, path: str) -> object:
 def _check_unsigned(value: object, path: str) -> object:
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64_MAX:
+    if is_integer(value) and 0 <= value <= _U64_MAX:
         return value
     raise LbConfigError(f"{path}: expected a non-negative integer, got {_describe(value)}")
 
@@ -310,7 +317,7 @@ def _check_unsigned(value: object, path: str) -> object:
 def _check_number(value: object, path: str) -> object:
     if value is None:
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    if is_number(value) and math.isfinite(value):
         return float(value)
     raise LbConfigError(f"{path}: expected a finite number, got {_describe(value)}")
 
@@ -325,7 +332,7 @@ def _check_comparator(value: object, path: str) -> object:
 
 def _check_sample_count(value: object, path: str) -> object:
     """Type only; the range is checked after every field's type, as upstream does."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_integer(value):
         raise LbConfigError(f"{path}: expected an integer, got {_describe(value)}")
     return value
 
@@ -396,29 +403,26 @@ def _parse_entry(value: object, path: str) -> _Entry:
             f"object, got {_describe(value)}"
         )
     if "algorithm" not in value:
-        raise LbConfigError(f"{_join(path, 'algorithm')}: missing required field")
-    name = _parse_name_at(value["algorithm"], _join(path, "algorithm"))
+        raise LbConfigError(f"{join_path(path, 'algorithm')}: missing required field")
+    name = _parse_name_at(value["algorithm"], join_path(path, "algorithm"))
     specific = _ALGORITHM_FIELDS[name]
     # Upstream's order: field types and nested entries (deserialisation), then the sample_count
     # range, then unsupported fields.
     settings: dict[str, object] = {}
     for key, checker in (*_COMMON_FIELDS.items(), *specific.items()):
         if key in value:
-            settings[key] = checker(value[key], _join(path, key))
+            settings[key] = checker(value[key], join_path(path, key))
     nested = (
-        _parse_request_algorithms(value["request_algorithms"], _join(path, "request_algorithms"))
+        _parse_request_algorithms(
+            value["request_algorithms"], join_path(path, "request_algorithms")
+        )
         if "request_algorithms" in value
         else {}
     )
     if "sample_count" in settings:
-        _check_sample_count_range(settings["sample_count"], _join(path, "sample_count"))
-    unsupported = sorted(
-        str(key)
-        for key in value
-        if key not in specific
-        and key not in _COMMON_FIELDS
-        and key not in ("algorithm", "request_algorithms")
-    )
+        _check_sample_count_range(settings["sample_count"], join_path(path, "sample_count"))
+    allowed = {*specific, *_COMMON_FIELDS, "algorithm", "request_algorithms"}
+    unsupported = sorted(str(key) for key in unknown_keys(value, allowed))
     if unsupported:
         raise LbConfigError(
             f"{path}: {name} config does not support field(s): {', '.join(unsupported)}"
@@ -445,7 +449,7 @@ def _parse_request_algorithms(value: object, path: str) -> dict[str, tuple[str, 
         raise LbConfigError(f"{path}: expected an object, got {_describe(value)}")
     parsed: dict[str, tuple[str, _Entry]] = {}
     for raw_key, item in value.items():
-        key_path = _join(path, raw_key)
+        key_path = join_path(path, raw_key)
         canonical = _parse_name_at(raw_key, key_path)
         if canonical in parsed:
             first_key = parsed[canonical][0]
@@ -490,11 +494,11 @@ def parse_lb_config(data: object) -> LbConfig:
         raise LbConfigError(
             f"<root>: load-balancer config must be a JSON object, got {_describe(data)}"
         )
-    for key in data:
-        if key not in _TOP_LEVEL_FIELDS:
-            raise LbConfigError(
-                f"{key}: unknown top-level field; expected one of {', '.join(_TOP_LEVEL_FIELDS)}"
-            )
+    unknown = unknown_keys(data, _TOP_LEVEL_FIELDS)
+    if unknown:
+        raise LbConfigError(
+            f"{unknown[0]}: unknown top-level field; expected one of {', '.join(_TOP_LEVEL_FIELDS)}"
+        )
 
     # Phase 1: structure, names, field types and ranges, everywhere in the file.
     if "default" in data:
@@ -515,7 +519,7 @@ def parse_lb_config(data: object) -> LbConfig:
     for model_id, item in models_value.items():
         if not isinstance(model_id, str):
             raise LbConfigError(f"models: model ids must be strings, got {_describe(model_id)}")
-        models[model_id] = _parse_entry(item, _join("models", model_id))
+        models[model_id] = _parse_entry(item, join_path("models", model_id))
 
     # Phase 2: what can be selected must be implemented and consistent.
     default_spec = _check_selectable(default)
@@ -534,23 +538,6 @@ def parse_lb_config(data: object) -> LbConfig:
     )
 
 
-class _StrictJsonError(ValueError):
-    """Valid for Python's json module, not for a strict JSON parser (upstream's serde_json)."""
-
-
-def _reject_constant(name: str) -> object:
-    raise _StrictJsonError(f"{name} is not a JSON value")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    result: dict[str, object] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _StrictJsonError(f"duplicate key {key!r} in an object")
-        result[key] = value
-    return result
-
-
 def load_lb_config(path: str | PathLike[str]) -> LbConfig:
     """Read and validate `--lb-config-path`. Errors are `LbConfigError`s prefixed with the file
     name: unreadable file, invalid JSON (NaN/Infinity and duplicate keys included), or any
@@ -562,14 +549,12 @@ def load_lb_config(path: str | PathLike[str]) -> LbConfig:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise LbConfigError(f"{path}: cannot read load-balancer config: {reason}") from error
     try:
-        data = json.loads(
-            text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys
-        )
+        data = load_json(text)
     except json.JSONDecodeError as error:
         raise LbConfigError(
             f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}"
         ) from error
-    except _StrictJsonError as error:
+    except StrictJsonError as error:
         raise LbConfigError(f"{path}: invalid JSON: {error}") from error
     try:
         return parse_lb_config(data)

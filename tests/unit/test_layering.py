@@ -97,6 +97,10 @@ def test_the_routing_state_imports_nothing_of_ours() -> None:
     assert GRAPH.get("stargate.routing", set()) == set()
 
 
+def test_the_document_helpers_import_nothing_of_ours() -> None:
+    assert GRAPH["stargate.documents"] == set()
+
+
 @pytest.mark.parametrize("part", ["stargate.mock", "stargate.pylon", "stargate.demo"])
 def test_the_processes_beside_the_replica_do_not_stand_on_it(part: str) -> None:
     assert GRAPH[part] & {"stargate.runtime", "stargate.control_plane", "stargate.proxy"} == set()
