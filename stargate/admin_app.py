@@ -28,12 +28,15 @@ def create_admin_app(
     stargate_id: str,
     debug_config: Callable[[], Mapping[str, Any]] = dict,
     accept_openai_requests: bool = False,
+    debug_endpoints: bool = True,
 ) -> QuartTrio:
     """Build the QuartTrio app for one replica.
 
     `debug_config` supplies the `config` object of `/debug/state` (it includes addresses known only
-    once the listeners are bound). `RESPONSE_TIMEOUT` is disabled: Quart's default (60 s) applies to
-    the whole streamed body and would cut long completions mid-stream (docs/decisions.md, H2).
+    once the listeners are bound); without `debug_endpoints` (`--no-debug-endpoints`) the route
+    does not exist, so it answers 404 like any unknown path. `RESPONSE_TIMEOUT` is disabled:
+    Quart's default (60 s) applies to the whole streamed body and would cut long completions
+    mid-stream (docs/decisions.md, H2).
     """
     app = QuartTrio("stargate")
     app.config["RESPONSE_TIMEOUT"] = None
@@ -103,10 +106,12 @@ def create_admin_app(
             }
             return {"error": error}, 404
 
-    @app.get("/debug/state")
-    async def debug_state() -> dict[str, Any]:
-        """Operator view: effective listener config and every active model id (no secrets)."""
-        return {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
+    if debug_endpoints:
+
+        @app.get("/debug/state")
+        async def debug_state() -> dict[str, Any]:
+            """Operator view: effective listener config and every active model id (no secrets)."""
+            return {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
 
     return app
 

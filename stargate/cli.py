@@ -17,8 +17,17 @@ from typing import Any, TypeVar
 import click
 
 from stargate import __version__
-from stargate.clitools import POSITIVE_INT, comma_list, configure_logging, log_level_option, option
+from stargate.clitools import (
+    POSITIVE_INT,
+    comma_list,
+    log_format_option,
+    log_level_option,
+    option,
+)
 from stargate.config import (
+    DEFAULT_MAX_CLIENT_CONNECTIONS,
+    DEFAULT_METRICS_LISTEN_ADDR,
+    METRICS_FLAGS_CONFLICT,
     ActivatorConfig,
     ConfigError,
     ControlPlaneConfig,
@@ -30,6 +39,7 @@ from stargate.config import (
     parse_listen_address,
     validate_metrics_prefix,
 )
+from stargate.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -111,6 +121,40 @@ def listener_options(env_prefix: str, host: str) -> Callable[[F], F]:
             help="Model-discovery gRPC listener (StargateModelDiscovery/ListModels only).",
         ),
     )
+
+
+def metrics_listener_options(env_prefix: str, host: str) -> Callable[[F], F]:
+    """The metrics listener: `--metrics-listen-addr`, and the older `--metrics-port` (the port on
+    `host`, the default address's host), kept working for compatibility."""
+    return _together(
+        option(
+            "--metrics-listen-addr",
+            envvar=f"{env_prefix}_METRICS_LISTEN_ADDR",
+            type=LISTEN_ADDRESS,
+            default=None,
+            help=f"Prometheus /metrics listener (IP:PORT, [v6]:PORT). [default: {host}:9090]",
+        ),
+        option(
+            "--metrics-port",
+            envvar=f"{env_prefix}_METRICS_PORT",
+            type=PORT,
+            default=None,
+            help=f"Older way to set the metrics listener: this port on {host}. Not with "
+            "--metrics-listen-addr.",
+        ),
+    )
+
+
+def _metrics_listener(
+    listen_addr: ListenAddress | None, port: int | None, host: str
+) -> ListenAddress:
+    """The metrics address from `--metrics-listen-addr` or `--metrics-port`; both is a usage
+    error naming the two flags (whether they came from the command line or the environment)."""
+    if listen_addr is not None and port is not None:
+        raise click.UsageError(METRICS_FLAGS_CONFLICT)
+    if listen_addr is not None:
+        return listen_addr
+    return ListenAddress(host, DEFAULT_METRICS_LISTEN_ADDR.port if port is None else port)
 
 
 def warmup_options(env_prefix: str) -> Callable[[F], F]:
@@ -376,19 +420,20 @@ def main() -> None:
     help="Timeout of each pool controller call (scale, patch, process start/stop), so a hung "
     "API server cannot freeze the pools.",
 )
-@option(
-    "--metrics-port",
-    envvar="STARGATE_METRICS_PORT",
-    type=PORT,
-    default=9090,
-    help="Port of the Prometheus /metrics listener (always bound on 0.0.0.0).",
-)
+@metrics_listener_options("STARGATE", "0.0.0.0")
 @option(
     "--metrics-prefix",
     envvar="STARGATE_METRICS_PREFIX",
     default="stargate_",
     callback=_metrics_prefix,
     help="Prefix of every metric name (e.g. llm_request_router_).",
+)
+@option(
+    "--debug-endpoints/--no-debug-endpoints",
+    envvar="STARGATE_DEBUG_ENDPOINTS",
+    default=True,
+    help="Serve GET /debug/state (listener addresses and active model ids) on the HTTP "
+    "listener; --no-debug-endpoints makes it a 404 like any unknown path.",
 )
 @option(
     "--shutdown-delay-ms",
@@ -407,8 +452,28 @@ def main() -> None:
     help="After SIGTERM/SIGINT, how long in-flight requests and streams may take to finish "
     "before the process exits 1.",
 )
+@option(
+    "--request-body-timeout-ms",
+    envvar="STARGATE_REQUEST_BODY_TIMEOUT_MS",
+    type=NON_NEGATIVE_INT,
+    default=30_000,
+    help="A request on the HTTP listener whose body has not fully arrived this long after its "
+    "head is answered 408 and its connection closed (HTTP/2: its stream reset), so a stalled "
+    "upload cannot hold a connection, an in-flight slot or a drain. 0 disables.",
+)
+@option(
+    "--max-client-connections",
+    envvar="STARGATE_MAX_CLIENT_CONNECTIONS",
+    type=NON_NEGATIVE_INT,
+    default=DEFAULT_MAX_CLIENT_CONNECTIONS,
+    help="Open client connections the HTTP listener serves; 32 more serve only /healthz and "
+    "/readyz (other requests: 503 too_many_connections), and beyond those a new connection is "
+    "closed at once. The default keeps 2 descriptors per connection (client and upstream) plus "
+    "the reserve under the usual 1,024 open-file limit. 0 = unlimited.",
+)
 @warmup_options("STARGATE")
 @log_level_option("STARGATE_LOG_LEVEL")
+@log_format_option("STARGATE_LOG_FORMAT")
 def serve(
     stargate_id: str | None,
     http_listen_addr: ListenAddress,
@@ -443,17 +508,22 @@ def serve(
     pool_config: Path | None,
     pool_resync_interval_ms: int,
     pool_controller_timeout_ms: int,
-    metrics_port: int,
+    metrics_listen_addr: ListenAddress | None,
+    metrics_port: int | None,
     metrics_prefix: str,
+    debug_endpoints: bool,
     shutdown_delay_ms: int,
     shutdown_drain_timeout_ms: int,
+    request_body_timeout_ms: int,
+    max_client_connections: int,
     readiness_warmup_ms: int,
     warmup_sample_interval_ms: int,
     warmup_stabilization_window: int,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Run one replica until SIGTERM or SIGINT."""
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
     try:
         config = ServeConfig(
             stargate_id=stargate_id or socket.gethostname(),
@@ -461,10 +531,13 @@ def serve(
             listen_addr=listen_addr,
             model_discovery_listen_addr=model_discovery_listen_addr,
             advertise_addr=advertise_addr,
-            metrics_port=metrics_port,
+            metrics_listen_addr=_metrics_listener(metrics_listen_addr, metrics_port, "0.0.0.0"),
             metrics_prefix=metrics_prefix,
+            debug_endpoints=debug_endpoints,
             shutdown_delay_ms=shutdown_delay_ms,
             shutdown_drain_timeout_ms=shutdown_drain_timeout_ms,
+            request_body_timeout_ms=request_body_timeout_ms,
+            max_client_connections=max_client_connections,
             warmup=WarmupConfig(
                 warmup_ms=readiness_warmup_ms,
                 sample_interval_ms=warmup_sample_interval_ms,
@@ -515,19 +588,14 @@ def serve(
 
 @main.command()
 @listener_options("STARGATE_DEMO", "127.0.0.1")
-@option(
-    "--metrics-port",
-    envvar="STARGATE_DEMO_METRICS_PORT",
-    type=PORT,
-    default=9090,
-    help="The demo replica's Prometheus /metrics port.",
-)
+@metrics_listener_options("STARGATE_DEMO", "127.0.0.1")
 @warmup_options("STARGATE_DEMO")
 def demo(
     http_listen_addr: ListenAddress,
     listen_addr: ListenAddress,
     model_discovery_listen_addr: ListenAddress,
-    metrics_port: int,
+    metrics_listen_addr: ListenAddress | None,
+    metrics_port: int | None,
     readiness_warmup_ms: int,
     warmup_sample_interval_ms: int,
     warmup_stabilization_window: int,
@@ -541,7 +609,7 @@ def demo(
         http_listen_addr=http_listen_addr,
         listen_addr=listen_addr,
         model_discovery_listen_addr=model_discovery_listen_addr,
-        metrics_port=metrics_port,
+        metrics_listen_addr=_metrics_listener(metrics_listen_addr, metrics_port, "127.0.0.1"),
         warmup=WarmupConfig(
             warmup_ms=readiness_warmup_ms,
             sample_interval_ms=warmup_sample_interval_ms,

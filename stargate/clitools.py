@@ -1,13 +1,12 @@
 """Building blocks shared by every `stargate` command (serve, mock-backend, pylon, demo).
 
 Every option shows its environment variable and default in `--help`; every command logs the same
-way. Parts of the package may use these helpers; nothing here imports a part.
+way (`--log-level` and `--log-format`, applied by `stargate/logs.py`). Parts of the package may use
+these helpers; nothing here imports a part.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,14 +16,12 @@ __all__ = [
     "POSITIVE_INT",
     "PositiveInt",
     "comma_list",
-    "configure_logging",
+    "log_format_option",
     "log_level_option",
     "option",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class PositiveInt(click.ParamType[int]):
@@ -57,14 +54,21 @@ def log_level_option(envvar: str) -> Callable[[F], F]:
     )
 
 
+def log_format_option(envvar: str) -> Callable[[F], F]:
+    """`--log-format`: `text` lines with ` key=value` fields, or one JSON object per line
+    (stargate/logs.py)."""
+    return option(
+        "--log-format",
+        envvar=envvar,
+        type=click.Choice(["text", "json"], case_sensitive=False),
+        default="text",
+        help="Log line format: text (key=value fields after the message) or json (one object "
+        "per line).",
+    )
+
+
 def comma_list(
     ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 ) -> tuple[str, ...]:
     """Repeatable values may also be comma-separated, on the command line and in the env var."""
     return tuple(item.strip() for raw in value for item in raw.split(",") if item.strip())
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
-    # One line per backend health probe or upstream request would drown everything else.
-    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -14,6 +14,9 @@ from pathlib import Path
 from stargate.addresses import AddressError, AddressProblem, format_host_port, parse_host_port
 
 __all__ = [
+    "DEFAULT_MAX_CLIENT_CONNECTIONS",
+    "DEFAULT_METRICS_LISTEN_ADDR",
+    "METRICS_FLAGS_CONFLICT",
     "ActivatorConfig",
     "ConfigError",
     "ControlPlaneConfig",
@@ -240,22 +243,48 @@ class ActivatorConfig:
             raise ConfigError("pool resync interval and controller timeout must be > 0")
 
 
+DEFAULT_MAX_CLIENT_CONNECTIONS = 384
+"""`--max-client-connections`: with the probe reserve (32) and an upstream connection for each
+client connection, 2 x 384 + 32 = 800 descriptors, leaving some 200 of the usual 1,024 soft limit
+for listeners, Pylon channels, health probes and idle upstream connections (docs/http-serving.md,
+"Limits")."""
+
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+DEFAULT_METRICS_LISTEN_ADDR = ListenAddress("0.0.0.0", 9090)
+"""The metrics listener's default: every interface, as the Rust replica binds it."""
+
+METRICS_FLAGS_CONFLICT = (
+    "--metrics-port cannot be combined with --metrics-listen-addr: give only "
+    "--metrics-listen-addr (--metrics-port is the older flag; it sets the port of the default "
+    "metrics address)"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    """Everything `stargate serve` needs to run one replica."""
+    """Everything `stargate serve` needs to run one replica.
+
+    `metrics_port` is the older way to choose the metrics listener (`--metrics-port`): when given
+    it becomes `metrics_listen_addr` (`0.0.0.0:PORT`) and reads back as None; giving it with a
+    non-default `metrics_listen_addr` is an error. `debug_endpoints` serves `/debug/state`.
+    `request_body_timeout_ms` and `max_client_connections` are the HTTP listener's client limits
+    (0 disables each; stargate/http_limits.py).
+    """
 
     stargate_id: str
     http_listen_addr: ListenAddress = ListenAddress("0.0.0.0", 8000)
     listen_addr: ListenAddress = ListenAddress("0.0.0.0", 50071)
     model_discovery_listen_addr: ListenAddress = ListenAddress("0.0.0.0", 50073)
     advertise_addr: ListenAddress | None = None
-    metrics_port: int = 9090
+    metrics_listen_addr: ListenAddress = DEFAULT_METRICS_LISTEN_ADDR
+    metrics_port: int | None = None
     metrics_prefix: str = "stargate_"
+    debug_endpoints: bool = True
     shutdown_delay_ms: int = 5_000
     shutdown_drain_timeout_ms: int = 30_000
+    request_body_timeout_ms: int = 30_000
+    max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS
     warmup: WarmupConfig = WarmupConfig()
     discovery: DiscoveryConfig = field(default_factory=_serve_discovery_settings)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
@@ -265,18 +294,25 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.stargate_id:
             raise ConfigError("stargate id must not be empty")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("metrics port must be from 0 to 65535")
+        if self.metrics_port is not None:
+            # The older spelling (--metrics-port): the port on the default host, folded in here so
+            # the runtime only ever reads `metrics_listen_addr`.
+            if not 0 <= self.metrics_port <= 65535:
+                raise ConfigError("metrics port (--metrics-port) must be from 0 to 65535")
+            if self.metrics_listen_addr != DEFAULT_METRICS_LISTEN_ADDR:
+                raise ConfigError(METRICS_FLAGS_CONFLICT)
+            set_ = object.__setattr__  # canonicalisation of a frozen dataclass
+            set_(self, "metrics_listen_addr", ListenAddress("0.0.0.0", self.metrics_port))
+            set_(self, "metrics_port", None)
         if self.shutdown_drain_timeout_ms < 0:
             raise ConfigError("shutdown drain timeout must not be negative")
         if self.shutdown_delay_ms < 0:
             raise ConfigError("shutdown delay must not be negative")
+        if self.request_body_timeout_ms < 0:
+            raise ConfigError("--request-body-timeout-ms must not be negative (0 disables it)")
+        if self.max_client_connections < 0:
+            raise ConfigError("--max-client-connections must not be negative (0 = unlimited)")
         validate_metrics_prefix(self.metrics_prefix)
-
-    @property
-    def metrics_listen_addr(self) -> ListenAddress:
-        """The metrics listener always binds every interface, as the Rust replica does."""
-        return ListenAddress("0.0.0.0", self.metrics_port)
 
     @property
     def shutdown_drain_timeout_seconds(self) -> float:
@@ -285,3 +321,8 @@ class ServeConfig:
     @property
     def shutdown_delay_seconds(self) -> float:
         return self.shutdown_delay_ms / 1000
+
+    @property
+    def request_body_timeout_seconds(self) -> float | None:
+        """None when the request body time is not limited."""
+        return self.request_body_timeout_ms / 1000 or None

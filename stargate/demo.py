@@ -39,7 +39,7 @@ class DemoConfig:
     http_listen_addr: ListenAddress
     listen_addr: ListenAddress
     model_discovery_listen_addr: ListenAddress
-    metrics_port: int
+    metrics_listen_addr: ListenAddress
     warmup: WarmupConfig
     engines: int = 2
 
@@ -110,7 +110,7 @@ class Demo:
                 f"--http-listen-addr={config.http_listen_addr}",
                 f"--listen-addr={config.listen_addr}",
                 f"--model-discovery-listen-addr={config.model_discovery_listen_addr}",
-                f"--metrics-port={config.metrics_port}",
+                f"--metrics-listen-addr={config.metrics_listen_addr}",
                 f"--readiness-warmup-ms={warmup.warmup_ms}",
                 f"--warmup-sample-interval-ms={warmup.sample_interval_ms}",
                 f"--warmup-stabilization-window={warmup.stabilization_window}",
@@ -135,7 +135,7 @@ class Demo:
             )
         self.say("stargate demo")
         self.say(f"  replica      {self.base_url}  (gRPC {_local(config.listen_addr)})")
-        self.say(f"  metrics      http://127.0.0.1:{config.metrics_port}/metrics")
+        self.say(f"  metrics      http://{_local(config.metrics_listen_addr)}/metrics")
         for index, url in enumerate(engines):
             self.say(
                 f"  engine {index}     {url}  (model {DEMO_MODEL}, via pylon demo-pylon-{index})"

@@ -34,6 +34,7 @@ __all__ = [
     "SERIES_SWEEP_INTERVAL_SECONDS",
     "DepartedSeriesSweep",
     "FleetLabels",
+    "HttpMetrics",
     "LiveFleet",
     "Metrics",
     "ProxyMetrics",
@@ -221,6 +222,45 @@ class ProxyMetrics:
         )
 
 
+CONNECTION_REFUSAL_REASONS = ("full", "reserve")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpMetrics:
+    """The HTTP listener's client limits (stargate/http_limits.py; docs/http-serving.md)."""
+
+    client_connections: Gauge
+    connection_refusals: Counter
+    request_body_timeouts: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, prefix: str) -> HttpMetrics:
+        refusals = Counter(
+            f"{prefix}http_connection_refusals",
+            "Client connections refused on the HTTP listener: full (closed when accepted, past "
+            "--max-client-connections and the probe reserve), reserve (a non-probe request on a "
+            "reserve connection, answered 503).",
+            labelnames=("reason",),
+            registry=registry,
+        )
+        for reason in CONNECTION_REFUSAL_REASONS:
+            refusals.labels(reason=reason)
+        return cls(
+            client_connections=Gauge(
+                f"{prefix}http_client_connections",
+                "Open client connections on the HTTP listener (the probe reserve included).",
+                registry=registry,
+            ),
+            connection_refusals=refusals,
+            request_body_timeouts=Counter(
+                f"{prefix}http_request_body_timeouts",
+                "Requests whose body had not arrived --request-body-timeout-ms after their head "
+                "(answered 408, or cut if their response had started).",
+                registry=registry,
+            ),
+        )
+
+
 class Metrics:
     """All metric families of one replica."""
 
@@ -229,6 +269,7 @@ class Metrics:
         self.prefix = prefix
         self.readiness = ReadinessMetrics.create(registry, prefix)
         self.proxy = ProxyMetrics.create(registry, prefix)
+        self.http = HttpMetrics.create(registry, prefix)
         self.active_inference_servers = Gauge(
             f"{prefix}active_inference_servers",
             "Active backends per (routing key, model) target; 0 once a target empties.",

@@ -59,6 +59,7 @@ from stargate.config import (
     ActivatorConfig,
     ConfigError,
     ControlPlaneConfig,
+    DiscoveryConfig,
     ListenAddress,
     ProxyConfig,
     ServeConfig,
@@ -74,6 +75,12 @@ from stargate.control_plane.discovery import PublisherConfig, WatchPublisher
 from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.health_probe import http_health_probe
+from stargate.http_limits import (
+    ConnectionLimit,
+    check_open_file_limit,
+    limit_connections,
+    limit_request_body_time,
+)
 from stargate.load_balancing.config import (
     LbConfig,
     LbConfigError,
@@ -89,6 +96,7 @@ from stargate.metrics import (
     sweep_interval,
 )
 from stargate.proxy.app import ProxyApp
+from stargate.proxy.contract import limit_answer
 from stargate.proxy.forwarder import UNREGISTERED, Forwarder
 from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.readiness import Readiness
@@ -162,7 +170,7 @@ class Replica:
             proxy,
             _lb_config(proxy),
             self.metrics.proxy,
-            on_connect_failure=self._invalidate_pool_resident,
+            on_dispatch_failure=self._invalidate_pool_resident,
         )
         self.member_availability = MemberAvailability()
         self.pools = _pool_config(config.activator)
@@ -187,6 +195,7 @@ class Replica:
             stargate_id=config.stargate_id,
             debug_config=self._debug_config,
             accept_openai_requests=config.proxy.accept_openai_requests,
+            debug_endpoints=config.debug_endpoints,
         )
         self._leaving = False  # the shutdown has begun (first with the leave phase, if any)
         self._shutdown_started = trio.Event()  # the servers stop accepting: draining
@@ -272,6 +281,7 @@ class Replica:
         """
         config = self.config
         log.info("starting stargate version=%s %s", __version__, describe(config))
+        check_open_file_limit(config.max_client_connections)
         sockets = bind_all(
             [
                 ("HTTP", config.http_listen_addr),
@@ -332,8 +342,11 @@ class Replica:
                     activator=self.activator,
                 )
                 listener_config = functools.partial(hypercorn_config, graceful)
+                http_app, http_config = self._limit_http_clients(
+                    proxy_app, listener_config(rotate_connections=True)
+                )
                 servers: list[tuple[str, ASGIApp, socket.socket, HypercornConfig]] = [
-                    ("HTTP server", proxy_app, http_sock, listener_config(rotate_connections=True)),
+                    ("HTTP server", http_app, http_sock, http_config),
                     (
                         "control-plane gRPC server",
                         control_plane_app(
@@ -403,6 +416,23 @@ class Replica:
         log.info("graceful shutdown complete")
         return 0
 
+    def _limit_http_clients(
+        self, app: ASGIApp, listener: HypercornConfig
+    ) -> tuple[ASGIApp, HypercornConfig]:
+        """The HTTP listener's client limits (stargate/http_limits.py): the request body time on
+        its app, the connection count on its listener. gRPC listeners get neither."""
+        refusal = functools.partial(
+            limit_answer, accept_openai_requests=self.config.proxy.accept_openai_requests
+        )
+        timeout = self.config.request_body_timeout_seconds
+        if timeout is not None:
+            app = limit_request_body_time(app, timeout, refusal, metrics=self.metrics.http)
+        limit = ConnectionLimit(
+            self.config.max_client_connections, refusal=refusal, metrics=self.metrics.http
+        )
+        limit_connections(listener, limit)
+        return app, listener
+
     async def _critical(
         self,
         name: str,
@@ -445,6 +475,9 @@ class Replica:
         )
         await services.start(activator.run)
         log.info("model pools enabled: %s", ", ".join(p.pool.name for p in self.pools.pools))
+        warning = shared_pools_warning(self.pools, self.config.discovery)
+        if warning is not None:
+            log.warning("%s", warning)
         return activator
 
     def _controller(self, pool: PoolConfig, services: trio.Nursery) -> MemberController:
@@ -489,7 +522,8 @@ class Replica:
         return FakeController(self.member_availability, pool.pool.members)
 
     def _invalidate_pool_resident(self, model_id: str) -> None:
-        """A pooled backend refused a connection: its pool must re-check which member is up."""
+        """A dispatch to a pooled backend failed before its response head (refused, head timeout,
+        reset, protocol error, unroutable): its pool must re-check which member is up."""
         if self.activator is not None and (pool := self.activator.pool_of(model_id)):
             self.activator.invalidate_resident(pool)
 
@@ -553,6 +587,33 @@ def _pool_config(activator: ActivatorConfig) -> PoolsConfig | None:
         return load_pool_config(activator.pool_config_path)
     except PoolConfigError as error:
         raise StartupError(f"invalid pool config: {error}") from error
+
+
+def shared_pools_warning(pools: PoolsConfig, discovery: DiscoveryConfig) -> str | None:
+    """The start-up warning for pools whose members other replicas also control, or None.
+
+    Pools are per replica: each replica runs its own activator with per-process locks, so two
+    replicas driving the same Kubernetes members can scale down each other's busy member, and one
+    replica's late deactivate can undo another's activation. Whether this replica is alone is
+    decided from its discovery config (static peers or a DNS name mean peers; the Helm chart
+    refuses the combination outright). `process` pools are not shared: their engines are this
+    replica's own children, registered only here.
+    """
+    shared = [p.pool.name for p in pools.pools if p.controller.kind == "kubernetes"]
+    if not shared:
+        return None
+    if discovery.peers:
+        peers = f"static peers {', '.join(discovery.peers)}"
+    elif discovery.dns_name is not None and not discovery.disable_dns_discovery:
+        peers = f"peers discovered through {discovery.dns_name}"
+    else:
+        return None
+    return (
+        f"model pools {', '.join(shared)} use the kubernetes controller but this replica has "
+        f"{peers}: every replica runs its own activator with per-process locks, so replicas can "
+        "scale down each other's busy members and undo each other's activations; run a single "
+        "replica while pools are enabled (README, Model pools)"
+    )
 
 
 def _lb_config(config: ProxyConfig) -> LbConfig:

@@ -10,7 +10,10 @@ the benchmarks' no-op server; and the shutdown-signal watcher the Pylon uses too
   signal that starts the shutdown, another for any later one (docs/rolling-restarts.md).
 
 Importing this module installs the Hypercorn fixes (`hypercorn_fixes.apply()`, idempotent;
-docs/http-serving.md), so whatever serves through it gets them.
+docs/http-serving.md), so whatever serves through it gets them; then strict HTTP/1.1 request
+framing (`http_framing.apply()`) and the hooks of the HTTP listener's client limits
+(`http_limits.apply()`, which act only on listeners registered with
+`http_limits.limit_connections`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from stargate import hypercorn_fixes
+from stargate import http_framing, http_limits, hypercorn_fixes
 from stargate.config import ListenAddress
 
 __all__ = [
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 hypercorn_fixes.apply()
+http_framing.apply()
+http_limits.apply()  # after the fixes: it wraps the methods they install
 
 LISTEN_BACKLOG = 1024
 # Requests one client connection may carry before it is rotated (HTTP/2 GOAWAY, HTTP/1.1

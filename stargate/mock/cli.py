@@ -19,8 +19,9 @@ from typing import Any, TypeVar
 import click
 import trio
 
-from stargate.clitools import configure_logging, log_level_option, option
+from stargate.clitools import log_format_option, log_level_option, option
 from stargate.config import ListenAddress
+from stargate.logs import configure_logging
 from stargate.mock.app import MockBackend, MockBackendConfig, drop_filter
 
 __all__ = ["SHUTDOWN_GRACE_SECONDS", "mock_backend_command", "run_mock_backend"]
@@ -185,6 +186,7 @@ def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     help="Tokens per answer; a request's max_tokens lowers it (initial `tokens` knob).",
 )
 @log_level_option("STARGATE_MOCK_LOG_LEVEL")
+@log_format_option("STARGATE_MOCK_LOG_FORMAT")
 def mock_backend_command(
     host: str,
     port: int,
@@ -193,6 +195,7 @@ def mock_backend_command(
     inter_token_ms: float,
     tokens: int,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Run a mock OpenAI-compatible inference server for demos, tests and benchmarks.
 
@@ -201,7 +204,7 @@ def mock_backend_command(
     /test-control reads and changes its knobs at run time (latencies, health, injected failures,
     dropped streams) and reads its request counters.
     """
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
     config = MockBackendConfig(
         host=host,
         port=port,

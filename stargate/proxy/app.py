@@ -13,7 +13,8 @@ bypassed by an encoding the rule did not expect.
 Per request: read the body (bounded), validate the header contract, route and attempt, then
 stream the upstream response as it arrives. A client that goes away cancels everything in flight
 for it, upstream connection included; an upstream that fails mid-body ends the client's body
-without its final chunk (the connection is closed), so the client can tell.
+without its final chunk (the connection is closed), so the client can tell, and is logged as one
+WARNING line with its fields and no traceback (docs/logging.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import trio
 from stargate.activator import Activator, ActivatorError, Grant
 from stargate.asgi import ASGIApp, ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ProxyConfig
+from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import (
     ENDPOINTS,
@@ -46,8 +48,11 @@ __all__ = ["ProxyApp", "UpstreamBodyError"]
 log = logging.getLogger(__name__)
 
 
-class UpstreamBodyError(Exception):
-    """The upstream failed mid-body; raised to make Hypercorn close the client connection."""
+class UpstreamBodyError(LoggedError):
+    """The upstream failed mid-body; raised to make Hypercorn close the client connection.
+
+    Its cause is already logged as one WARNING line, so Hypercorn's traceback for it is dropped
+    (`LoggedError`, stargate/logs.py)."""
 
 
 class _ClientGone(Exception):
@@ -177,17 +182,26 @@ class ProxyApp:
             await send(
                 {"type": "http.response.start", "status": response.status, "headers": headers}
             )
+            relayed = 0
             try:
                 async for chunk in response.aiter_bytes():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    relayed += len(chunk)
             except UpstreamError as error:
+                message = " ".join(str(error).split()) or type(error).__name__
                 log.warning(
-                    "upstream body failed mid-stream: request_id=%s backend=%s error=%s",
-                    request.request_id,
-                    backend.inference_server_id,
-                    error,
+                    "upstream body failed mid-stream",
+                    extra={
+                        "request_id": request.request_id,
+                        "backend": backend.inference_server_id,
+                        # Without the query string: it is the client's and may carry a key.
+                        "url": backend.url.rstrip("/")
+                        + request.target_path.partition(b"?")[0].decode("latin-1"),
+                        "bytes": relayed,
+                        "error": message,
+                    },
                 )
-                raise UpstreamBodyError(str(error)) from None
+                raise UpstreamBodyError(message) from None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _answer(self, send: ASGISend, request: ProxyRequest, error: ContractError) -> None:
@@ -258,9 +272,14 @@ def _too_large(limit: int) -> ContractError:
 
 
 def _pool_error(error: ActivatorError) -> ContractError:
-    """The activator's refusals as JSON errors (503s carry Retry-After)."""
+    """The activator's refusals as JSON errors (503s carry Retry-After), with
+    `x-stargate-error-code` like every answer the replica makes with a code (the OpenAI form sets
+    it from the same `code`)."""
     body = json.dumps({"error": {"code": error.code, "message": str(error)}}).encode()
-    headers = [(b"content-type", b"application/json")]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"x-stargate-error-code", error.code.encode()),
+    ]
     if error.retry_after is not None:
         headers.append((b"retry-after", str(error.retry_after).encode()))
     return ContractError(error.status, body, headers, message=str(error), code=error.code)

@@ -20,6 +20,7 @@ both ways, and `X-Forwarded-For` / `X-Forwarded-Proto` tell the backend who the 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ __all__ = [
     "filter_response_headers",
     "first_header",
     "is_openai_form",
+    "limit_answer",
     "parse_proxy_request",
     "parse_unsigned",
     "with_forwarding",
@@ -198,7 +200,13 @@ def parse_unsigned(raw: bytes, maximum: int) -> int | None:
         text = text[1:]
     if not text or not text.isdigit() or not text.isascii():
         return None
-    value = int(text)
+    # More digits than the maximum has (leading zeros aside) is out of range. Checked before
+    # `int()`, which raises ValueError past 4300 digits (Python's conversion limit): a 500 with a
+    # traceback for `x-input-tokens: 999...` (found by tests/unit/proxy/test_bad_input.py).
+    digits = text.lstrip(b"0")
+    if len(digits) > len(str(maximum)):
+        return None
+    value = int(digits or b"0")
     return value if value <= maximum else None
 
 
@@ -273,6 +281,23 @@ def is_openai_form(headers: Iterable[tuple[bytes, bytes]], accept_openai_request
     return accept_openai_requests and first_header(headers, b"x-model") is None
 
 
+def limit_answer(
+    headers: Iterable[tuple[bytes, bytes]],
+    status: int,
+    code: str,
+    message: str,
+    *,
+    accept_openai_requests: bool,
+) -> tuple[Headers, bytes]:
+    """An answer of the HTTP listener's client limits (408 `request_body_timeout`, 503
+    `too_many_connections`; stargate/http_limits.py) in the request's dialect: a bare status with
+    `x-stargate-error-code`, or the OpenAI error document for an OpenAI-form request."""
+    error = ContractError(
+        status, b"", [(b"x-stargate-error-code", code.encode())], message=message, code=code
+    )
+    return error.answer(is_openai_form(headers, accept_openai_requests))
+
+
 def parse_proxy_request(
     path: str,
     query: bytes,
@@ -339,6 +364,7 @@ def parse_proxy_request(
     )
     # A generated id replaces whatever invalid value the client sent.
     forwarded = filter_request_headers(headers, drop=(b"x-request-id",) if generated else ())
+    _check_forwardable(forwarded)
     if generated:
         forwarded.append((b"x-request-id", request_id.encode()))
     if openai_mode:
@@ -347,7 +373,7 @@ def parse_proxy_request(
             forwarded.append((b"x-input-tokens", str(input_tokens).encode()))
     return ProxyRequest(
         endpoint=endpoint,
-        target_path=path.encode() + (b"?" + query if query else b""),
+        target_path=path.encode() + (b"?" + _forwardable_query(query) if query else b""),
         request_id=request_id,
         model_id=model_id,
         input_tokens=input_tokens,
@@ -364,6 +390,43 @@ def parse_proxy_request(
     )
 
 
+# What an HTTP/1.1 message can carry (RFC 9110 §5.1 and §5.5, as h11 enforces them): a token for a
+# name; for a value, no NUL and no whitespace but spaces and tabs (no server hands the app a value
+# with spaces around it: h11 strips them, h2 refuses them).
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"[^\x00\n\r\x0b\x0c]*")
+
+
+def _check_forwardable(headers: Headers) -> None:
+    """400 for a header the upstream pool could not send.
+
+    The pool speaks HTTP/1.1, but HTTP/2 lets through names such as `;` or `x(y` and values with
+    a form feed or vertical tab (RFC 9113 §8.2.1 forbids only controls and upper case in names,
+    NUL, CR and LF in values). Forwarded, they made the pool raise: a 500 with a traceback for a
+    client's bad header (found by tests/unit/proxy/test_bad_input.py). RFC 9113 §8.2.1 lets a
+    server treat such a request as malformed, which is what this does, naming the header.
+    """
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name):
+            raise _bad_header(repr(name.decode("latin-1")), "is not a valid header name")
+        if not _FIELD_VALUE.fullmatch(value):
+            raise _bad_header(name.decode("latin-1"), "has a value HTTP/1.1 cannot carry")
+
+
+def _forwardable_query(query: bytes) -> bytes:
+    """The query with every byte outside visible ASCII written as `%XX`.
+
+    HTTP/1.1 lets only visible ASCII into a request target, but HTTP/2 checks nothing in `:path`
+    beyond NUL, CR and LF, so `?\x01` or `?caf\xc3\xa9` reached the upstream pool, which cannot
+    send it over HTTP/1.1 and raised: a 500 with a traceback for a client's bad byte (found by
+    tests/unit/proxy/test_bad_input.py). Encoding them is what a browser does with such a URL;
+    a valid query is forwarded unchanged.
+    """
+    if all(0x21 <= byte <= 0x7E for byte in query):
+        return query
+    return b"".join(bytes((byte,)) if 0x21 <= byte <= 0x7E else b"%%%02X" % byte for byte in query)
+
+
 def _model_from_body(body: bytes) -> str:
     try:
         document = json.loads(body)
@@ -374,7 +437,16 @@ def _model_from_body(body: bytes) -> str:
     model = document.get("model") if isinstance(document, dict) else None
     if not isinstance(model, str) or not model.strip():
         raise _bad_body('request body has no "model" field')
-    return model.strip()
+    model = model.strip()
+    # It is forwarded as `x-model`: a lone surrogate (JSON can spell one, `"\ud800"`) cannot be
+    # encoded, and some characters cannot be carried (see `_check_forwardable`); both were 500s.
+    try:
+        forwardable = _FIELD_VALUE.fullmatch(model.encode()) is not None
+    except UnicodeEncodeError:
+        forwardable = False
+    if not forwardable:
+        raise _bad_body('the "model" field has characters an HTTP header cannot carry')
+    return model
 
 
 def _bad_body(message: str) -> ContractError:

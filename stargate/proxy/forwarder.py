@@ -210,10 +210,12 @@ class Forwarder:
         metrics: ProxyMetrics,
         *,
         rng: random.Random | None = None,
-        on_connect_failure: Callable[[str], None] | None = None,
+        on_dispatch_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._routing = routing
-        self._on_connect_failure = on_connect_failure
+        # Called with the model id whenever an attempt ends without a response head (e.g. a
+        # pool's resident died: its pool re-checks residency; docs/activator.md, Self-heal).
+        self._on_dispatch_failure = on_dispatch_failure
         self._pool = pool
         self._config = config
         self._retry_policy = RetryPolicy(
@@ -413,8 +415,7 @@ class Forwarder:
                 )
                 if decision.demote:
                     self._routing.demote(backend.inference_server_id)
-                    if self._on_connect_failure is not None:
-                        self._on_connect_failure(request.model_id)  # e.g. a pool's resident died
+                self._dispatch_failed(request)  # any kind: refused, head timeout, reset, protocol
             else:
                 if response is None:
                     # The backend stopped being routable before its head arrived: nothing was
@@ -434,6 +435,7 @@ class Forwarder:
                         self._retry_policy,
                         trio.current_time(),
                     )
+                    self._dispatch_failed(request)
                 else:
                     self._metrics.attempts.labels(
                         result=f"upstream_{response.status}", **server_labels
@@ -466,6 +468,11 @@ class Forwarder:
             if decision.action is Action.SIBLING:
                 continue  # a sibling first, then another cluster
             return None  # Action.OTHER_CLUSTER: choose again with this cluster excluded
+
+    def _dispatch_failed(self, request: ProxyRequest) -> None:
+        """An attempt for `request` ended without a response head."""
+        if self._on_dispatch_failure is not None:
+            self._on_dispatch_failure(request.model_id)
 
     async def _request_head(
         self,

@@ -18,7 +18,14 @@ from pathlib import Path
 import click
 import trio
 
-from stargate.clitools import POSITIVE_INT, comma_list, configure_logging, log_level_option, option
+from stargate.clitools import (
+    POSITIVE_INT,
+    comma_list,
+    log_format_option,
+    log_level_option,
+    option,
+)
+from stargate.logs import configure_logging
 from stargate.pylon.config import (
     DEFAULT_HEALTH_PATHS,
     DEFAULT_STARGATE_PORT,
@@ -190,6 +197,7 @@ def _join_worker_threads() -> None:
     "registering (0: probe once and register either way; models stay INACTIVE until healthy).",
 )
 @log_level_option("STARGATE_PYLON_LOG_LEVEL")
+@log_format_option("STARGATE_PYLON_LOG_FORMAT")
 def pylon_command(
     upstream: str,
     stargates: tuple[DialTarget, ...],
@@ -202,6 +210,7 @@ def pylon_command(
     upstream_health_paths: tuple[str, ...],
     upstream_health_wait_ms: int,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Register one inference engine with every Stargate replica, until SIGTERM or SIGINT.
 
@@ -210,7 +219,7 @@ def pylon_command(
     --min-update-interval-ms: ACTIVE while the upstream's health endpoint answers 2xx, INACTIVE
     otherwise. Streams that fail reconnect with a capped exponential backoff.
     """
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
     try:
         config = PylonConfig(
             upstream_url=upstream,

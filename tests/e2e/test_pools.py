@@ -140,6 +140,7 @@ def test_hold_budget_expiry_is_503_with_retry_after(tmp_path: Path) -> None:
         assert response.status_code == 503
         assert response.headers["retry-after"] == "5"
         assert response.json()["error"]["code"] == "pool_activation_timeout"
+        assert response.headers["x-stargate-error-code"] == "pool_activation_timeout"
     finally:
         stop(replica)
 

@@ -314,6 +314,16 @@ def test_mid_stream_reset_truncates_the_client_stream(
     assert "data: [DONE]" not in lines
     # The replica is fine afterwards.
     assert _post(replica, HEADERS).status_code == 200
+    # Logged as one WARNING line with its fields, and no traceback (stargate/logs.py).
+    (warning,) = [
+        line
+        for line in replica.process.log.splitlines()
+        if "upstream body failed mid-stream" in line
+    ]
+    assert " WARNING stargate.proxy.app: " in warning
+    for field in ("request_id=req-1 ", "backend=backend-", "bytes=", "url=http://127.0.0.1:"):
+        assert field in warning
+    assert "Error in ASGI Framework" not in replica.process.log
 
 
 def test_openai_client_streams_and_not(replica: ProxyReplica) -> None:

@@ -92,6 +92,55 @@ def test_occupied_metrics_port_exits_1_naming_the_listener(
     assert f"failed to bind metrics listener on 0.0.0.0:{port}" in replica.log
 
 
+def test_metrics_on_loopback_only_and_debug_endpoints_off(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    """`--metrics-listen-addr=127.0.0.1:PORT` binds that address only (another loopback address
+    of this host is refused, while the HTTP listener on 0.0.0.0 answers there), and
+    `--no-debug-endpoints` makes `/debug/state` a 404 like any unknown path."""
+    import socket
+
+    ports = Ports.pick()
+    replica = start_stargate(
+        "serve",
+        f"--http-listen-addr=0.0.0.0:{ports.http}",
+        f"--listen-addr=127.0.0.1:{ports.grpc}",
+        f"--model-discovery-listen-addr=127.0.0.1:{ports.discovery}",
+        f"--metrics-listen-addr=127.0.0.1:{ports.metrics}",
+        "--no-debug-endpoints",
+        "--readiness-warmup-ms=0",
+        "--shutdown-delay-ms=0",
+    )
+    with httpx.Client(timeout=5) as client:
+        wait_until(
+            lambda: client.get(f"http://127.0.0.1:{ports.http}/readyz").status_code == 200,
+            10,
+            "/readyz",
+        )
+        metrics = client.get(f"http://127.0.0.1:{ports.metrics}/metrics")
+        assert metrics.status_code == 200 and "stargate_readiness_ready 1.0" in metrics.text
+        # 127.0.0.2 is this host too: a wildcard listener accepts there, a 127.0.0.1 one does not.
+        assert client.get(f"http://127.0.0.2:{ports.http}/healthz").status_code == 200
+        with socket.socket() as probe:
+            probe.settimeout(5)
+            assert probe.connect_ex(("127.0.0.2", ports.metrics)) != 0
+        debug = client.get(f"http://127.0.0.1:{ports.http}/debug/state")
+        assert debug.status_code == 404 and debug.content == b""
+        assert client.get(f"http://127.0.0.1:{ports.http}/v1/models").status_code == 200
+    replica.process.send_signal(signal.SIGTERM)
+    assert replica.process.wait(timeout=10) == 0
+    assert f"metrics=127.0.0.1:{ports.metrics}" in replica.log
+    assert "debug_endpoints=False" in replica.log
+
+
+def test_metrics_port_with_metrics_listen_addr_is_a_usage_error(
+    start_stargate: Callable[..., StargateProcess],
+) -> None:
+    replica = start_stargate("serve", "--metrics-port=9191", "--metrics-listen-addr=127.0.0.1:9191")
+    assert replica.process.wait(timeout=10) == 2
+    assert "--metrics-port cannot be combined with --metrics-listen-addr" in replica.log
+
+
 def test_zero_sample_interval_is_a_usage_error(
     start_stargate: Callable[..., StargateProcess],
 ) -> None:

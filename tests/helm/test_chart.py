@@ -29,11 +29,12 @@ import yaml  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 from stargate import __version__, runtime  # noqa: E402
+from stargate import cli as stargate_cli  # noqa: E402
 from stargate.activator.config import load_pool_config  # noqa: E402
 from stargate.cli import main  # noqa: E402
 from stargate.config import ListenAddress, ServeConfig, WarmupConfig  # noqa: E402
 
-CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "stargate"
+CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "stargate"
 RELEASE = "router"
 NAMESPACE = "llm"
 FULLNAME = "router-stargate"
@@ -219,7 +220,7 @@ DEFAULT_ARGS = [
     "--model-discovery-listen-addr=0.0.0.0:50073",
     "--advertise-addr=$(POD_IP):50071",
     f"--stargate-discovery-dns-name={HEADLESS_FQDN}",
-    "--metrics-port=9090",
+    "--metrics-listen-addr=0.0.0.0:9090",
     "--shutdown-delay-ms=5000",
     "--shutdown-drain-timeout-ms=30000",
 ]
@@ -450,8 +451,12 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "poolConfig": str(pool_file),
             "poolResyncIntervalMs": 2_500,
             "poolControllerTimeoutMs": 4_000,
+            "requestBodyTimeoutMs": 0,  # an explicit 0 (disabled) reaches the CLI
+            "maxClientConnections": 0,  # 0 = unlimited
             "metricsPrefix": "llm_request_router_",
+            "debugEndpoints": False,  # a toggle: false renders --no-debug-endpoints
             "logLevel": "debug",
+            "logFormat": "json",
         },
         "extraArgs": ["--log-level=warning"],
     }
@@ -462,10 +467,13 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     serve = main.commands["serve"]
     assert isinstance(serve, click.Command)
     cli_flags = {
-        max(p.opts, key=len)
+        flag
         for p in serve.params
         if isinstance(p, click.Option) and "--help" not in p.opts
+        for flag in (max(p.opts, key=len), *p.secondary_opts)
     }
+    # The older spelling of --metrics-listen-addr: the chart never renders it.
+    cli_flags.discard("--metrics-port")
     # Flags that exclude some of the above (--peer, --worker-auth-endpoint) get a rendering of
     # their own.
     alone = {
@@ -474,6 +482,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "stargateDiscoveryDnsName": "peers.example",
             "disableDnsDiscovery": True,
             "registrationTokenFile": files["token"],
+            "debugEndpoints": True,
         },
     }
     alone_args = render(chart, alone).args
@@ -484,6 +493,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert config.discovery.disable_dns_discovery is True
     assert config.discovery.dns_name == "peers.example"
     assert config.control_plane.registration_token_file == Path(files["token"])
+    assert config.debug_endpoints is True
 
     rendered_flags = {a.split("=", 1)[0] for a in [*args, *alone_args]}
     assert cli_flags - rendered_flags == set()
@@ -501,10 +511,13 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert config.listen_addr == ListenAddress("0.0.0.0", 15071)
     assert config.model_discovery_listen_addr == ListenAddress("0.0.0.0", 15073)
     assert config.advertise_addr == ListenAddress("10.9.9.9", 15071)
-    assert config.metrics_port == 19090
+    assert config.metrics_listen_addr == ListenAddress("0.0.0.0", 19090)
     assert config.metrics_prefix == "llm_request_router_"
+    assert config.debug_endpoints is False
     assert config.shutdown_drain_timeout_ms == 0
     assert config.shutdown_delay_ms == 250
+    assert "--request-body-timeout-ms=0" in args and "--max-client-connections=0" in args
+    assert (config.request_body_timeout_ms, config.max_client_connections) == (0, 0)
     assert config.warmup == WarmupConfig(0, 250, 3)
     d = config.discovery
     assert d.dns_name is None
@@ -575,7 +588,7 @@ def test_pools_enabled_without_kubernetes_controller(
     chart: Any, cli: Any, tmp_path: Path, as_string: bool
 ) -> None:
     config: Any = yaml.safe_dump(POOLS) if as_string else POOLS
-    r = render(chart, {"pools": {"enabled": True, "config": config}})
+    r = render(chart, {"replicaCount": 1, "pools": {"enabled": True, "config": config}})
     cm = r.one("ConfigMap", f"{FULLNAME}-pools")
     assert yaml.safe_load(cm["data"]["pools.yaml"]) == POOLS
     assert f"--pool-config={POOL_CONFIG_PATH}" in r.args
@@ -594,11 +607,12 @@ def test_pools_enabled_without_kubernetes_controller(
     assert [p.pool.name for p in load_pool_config(pool_file).pools] == ["gpu1"]
     code, output, parsed = cli(substitute(r.args, {POOL_CONFIG_PATH: str(pool_file)}))
     assert code == 0, output
-    assert parsed is not None and parsed.pools.pool_config_path == pool_file
+    assert parsed is not None and parsed.activator.pool_config_path == pool_file
 
 
 def test_pools_with_kubernetes_controller_get_rbac(chart: Any) -> None:
     values = {
+        "replicaCount": 1,
         "pools": {
             "enabled": True,
             "config": POOLS,
@@ -608,7 +622,7 @@ def test_pools_with_kubernetes_controller_get_rbac(chart: Any) -> None:
                     {"apiGroup": "inference.llmkube.dev", "resource": "inferenceservices"}
                 ]
             },
-        }
+        },
     }
     r = render(chart, values)
     role = r.one("Role")
@@ -639,12 +653,13 @@ def test_pools_with_kubernetes_controller_get_rbac(chart: Any) -> None:
 
 def test_pools_rbac_in_member_namespaces(chart: Any) -> None:
     values = {
+        "replicaCount": 1,
         "pools": {
             "enabled": True,
             "config": POOLS,
             "kubernetesController": True,
             "kubernetes": {"namespaces": ["models-a", "models-b"]},
-        }
+        },
     }
     r = render(chart, values)
     assert sorted(m["metadata"]["namespace"] for m in r.all("Role")) == ["models-a", "models-b"]
@@ -658,6 +673,49 @@ def test_pools_guards(chart: Any) -> None:
     both = {"pools": {"enabled": True, "config": POOLS}, "serve": {"poolConfig": "/x.yaml"}}
     with pytest.raises(helm_python.HelmError, match=r"serve\.poolConfig"):
         chart.render(both, name=RELEASE, namespace=NAMESPACE)
+
+
+PROCESS_POOLS = {
+    "pools": [
+        {
+            "name": "local",
+            "members": ["model-a"],
+            "controller": {
+                "kind": "process",
+                "members": {"model-a": {"command": ["engine", "--port", "{port}"]}},
+            },
+        }
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    "pools",
+    [
+        {"enabled": True, "config": POOLS},  # a pool whose controller.kind is kubernetes
+        {"enabled": True, "config": yaml.safe_dump(POOLS)},  # the same, as a YAML string
+        {"enabled": True, "config": PROCESS_POOLS, "kubernetesController": True},
+    ],
+    ids=["kind-in-map", "kind-in-string", "kubernetesController"],
+)
+def test_kubernetes_pools_refuse_several_replicas(chart: Any, pools: dict[str, Any]) -> None:
+    """Pools are per replica until they can be shared safely (README, Model pools)."""
+    message = (
+        r"pools\.enabled with the kubernetes member controller requires replicaCount: 1 "
+        r"\(got 2\): every replica runs its own activator with per-process locks"
+    )
+    with pytest.raises(helm_python.HelmError, match=message):
+        chart.render({"replicaCount": 2, "pools": pools}, name=RELEASE, namespace=NAMESPACE)
+    r = render(chart, {"replicaCount": 1, "pools": pools})
+    assert r.statefulset["spec"]["replicas"] == 1
+
+
+def test_process_pools_and_disabled_pools_keep_several_replicas(chart: Any) -> None:
+    """A process pool's engines are this replica's own, and disabled pools are ignored."""
+    r = render(chart, {"pools": {"enabled": True, "config": PROCESS_POOLS}})
+    assert r.statefulset["spec"]["replicas"] == 3
+    r = render(chart, {"pools": {"config": POOLS, "kubernetesController": True}})
+    assert r.statefulset["spec"]["replicas"] == 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,6 +741,97 @@ def test_service_monitor(chart: Any) -> None:
     assert not all(
         client_labels.get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items()
     )
+
+
+@pytest.mark.parametrize(
+    ("host", "rendered", "parsed"),
+    [
+        (None, "0.0.0.0:19191", ListenAddress("0.0.0.0", 19191)),
+        ("$(POD_IP)", "$(POD_IP):19191", ListenAddress("10.1.2.3", 19191)),
+        ("fd00::1", "[fd00::1]:19191", ListenAddress("fd00::1", 19191)),
+    ],
+)
+def test_metrics_listen_addr_follows_ports_metrics(
+    chart: Any, cli: Any, host: str | None, rendered: str, parsed: ListenAddress
+) -> None:
+    """--metrics-listen-addr is <metrics.listenHost>:<ports.metrics>, so the container port, the
+    headless Service and the ServiceMonitor always name the port the listener binds."""
+    values = {
+        "ports": {"http": 8000, "grpc": 50071, "discovery": 50073, "metrics": 19191},
+        "metrics": {"listenHost": host, "serviceMonitor": {"enabled": True}},
+    }
+    chart.validate_schema(values)
+    r = render(chart, values)
+    assert flag_values(r.args, "--metrics-listen-addr") == [rendered]
+    assert flag_values(r.args, "--metrics-port") == []
+    ports = {p["name"]: p["containerPort"] for p in r.container["ports"]}
+    assert ports["metrics"] == 19191
+    headless = r.one("Service", f"{FULLNAME}-headless")
+    assert {"name": "metrics", "port": 19191, "targetPort": "metrics", "protocol": "TCP"} in (
+        headless["spec"]["ports"]
+    )
+    assert r.one("ServiceMonitor")["spec"]["endpoints"][0]["port"] == "metrics"
+    code, output, config = cli(substitute(r.args))
+    assert code == 0, output
+    assert config is not None and config.metrics_listen_addr == parsed
+
+
+def test_loopback_metrics_host_cannot_be_scraped(chart: Any, cli: Any) -> None:
+    r = render(chart, {"metrics": {"listenHost": "127.0.0.1"}})  # e.g. for a sidecar
+    assert "--metrics-listen-addr=127.0.0.1:9090" in r.args
+    code, output, config = cli(substitute(r.args))
+    assert code == 0, output
+    assert config is not None and config.metrics_listen_addr == ListenAddress("127.0.0.1", 9090)
+    for metrics in ({"enabled": True}, {"serviceMonitor": {"enabled": True}}):
+        with pytest.raises(helm_python.HelmError, match="loopback"):
+            chart.render(
+                {"metrics": {"listenHost": "127.0.0.1", **metrics}},
+                name=RELEASE,
+                namespace=NAMESPACE,
+            )
+
+
+@pytest.mark.parametrize(
+    ("value", "rendered", "served"),
+    [
+        (None, [], True),
+        (True, ["--debug-endpoints"], True),
+        (False, ["--no-debug-endpoints"], False),
+    ],
+)
+def test_debug_endpoints_is_presence_aware(
+    chart: Any, cli: Any, value: bool | None, rendered: list[str], served: bool
+) -> None:
+    r = render(chart, {"serve": {"debugEndpoints": value}})
+    assert [a for a in r.args if "debug-endpoints" in a] == rendered
+    code, output, config = cli(substitute(r.args))
+    assert code == 0, output
+    assert config is not None and config.debug_endpoints is served
+
+
+@pytest.mark.parametrize(
+    ("value", "rendered", "applied"),
+    [
+        (None, [], "text"),
+        ("text", ["--log-format=text"], "text"),
+        ("json", ["--log-format=json"], "json"),
+    ],
+)
+def test_log_format_is_presence_aware(
+    chart: Any,
+    cli: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str | None,
+    rendered: list[str],
+    applied: str,
+) -> None:
+    r = render(chart, {"serve": {"logLevel": "warning", "logFormat": value}})
+    assert [a for a in r.args if a.startswith("--log-")] == ["--log-level=warning", *rendered]
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(stargate_cli, "configure_logging", lambda *a: seen.append(a))
+    code, output, config = cli(substitute(r.args))
+    assert code == 0, output
+    assert config is not None and seen == [("warning", applied)]
 
 
 def test_pdb_min_available_and_disabled(chart: Any) -> None:
@@ -724,6 +873,9 @@ def test_schema_accepts_warmup_values(chart: Any, key: str, good: object) -> Non
         {"serve": {"proxyMaxConnectRetries": "2"}},
         {"serve": {"proxyRequirePylonRetrySignal": "false"}},
         {"serve": {"logLevel": "trace"}},
+        {"serve": {"logFormat": "xml"}},
+        {"serve": {"debugEndpoints": "false"}},
+        {"metrics": {"listenHost": ""}},
         {"readiness": {"warmupMillis": 1}},
         {"ports": {"http": 0}},
         {"shutdown": {"drainTimeoutMs": None}},

@@ -111,3 +111,23 @@ async def test_debug_state_shows_config_and_models_across_routing_keys() -> None
         "config": {"stargate_id": "r", "grpc_listen_addr": "127.0.0.1:1"},
         "active_model_ids": ["a", "b"],
     }
+
+
+async def test_debug_state_is_404_like_any_unknown_path_without_debug_endpoints() -> None:
+    """`--no-debug-endpoints`: the route does not exist (an empty 404, as for any unknown path);
+    the probes and the model listing are unaffected."""
+    app = create_admin_app(
+        Readiness(WarmupConfig(0)),
+        _routing_with({None: ["b"]}),
+        stargate_id="r",
+        debug_config=lambda: {"stargate_id": "r"},
+        debug_endpoints=False,
+    )
+    client = app.test_client()
+    for path in ("/debug/state", "/no-such-path"):
+        response = await client.get(path)
+        assert response.status_code == 404
+        assert await response.get_data() == b""
+        assert response.mimetype == "text/plain"
+    assert (await client.get("/healthz")).status_code == 200
+    assert await (await client.get("/v1/models")).get_json() == {"model_ids": ["b"]}

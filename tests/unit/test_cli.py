@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from stargate import runtime
 from stargate.cli import main
-from stargate.config import ListenAddress, ServeConfig, WarmupConfig
+from stargate.config import ConfigError, ListenAddress, ServeConfig, WarmupConfig
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_flags_override_defaults(captured: list[ServeConfig]) -> None:
     assert config.http_listen_addr == ListenAddress("127.0.0.1", 18000)
     assert config.listen_addr == ListenAddress("::1", 15071)
     assert str(config.listen_addr) == "[::1]:15071"
-    assert config.metrics_port == 0
+    assert config.metrics_listen_addr == ListenAddress("0.0.0.0", 0)  # the older flag's host
     assert config.metrics_prefix == "llm_request_router_"
     assert config.shutdown_drain_timeout_ms == 0
     assert config.warmup == WarmupConfig(0, 200, 1)
@@ -138,6 +138,8 @@ def test_negative_warmup_is_rejected(captured: list[ServeConfig]) -> None:
         ("--listen-addr", "0.0.0.0:99999", "port must be a number from 0 to 65535"),
         ("--listen-addr", "::1:50071", "must be written in brackets"),
         ("--metrics-port", "70000", "70000 is not in the range"),
+        ("--metrics-listen-addr", "localhost:9090", "is not an IP address"),
+        ("--metrics-listen-addr", "9090", "is not an IP:PORT socket address"),
         ("--metrics-prefix", "1abc", "cannot start a Prometheus metric name"),
     ],
 )
@@ -179,3 +181,155 @@ def test_version() -> None:
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0
     assert "stargate, version" in result.output
+
+
+# ---- exposure switches: the metrics listener and /debug/state --------------------------------
+
+
+def test_metrics_listen_addr_from_flag_and_environment(captured: list[ServeConfig]) -> None:
+    code, output = _serve(["--metrics-listen-addr=127.0.0.1:9191"])
+    assert code == 0, output
+    code, output = _serve([], {"STARGATE_METRICS_LISTEN_ADDR": "[::1]:0"})
+    assert code == 0, output
+    assert [c.metrics_listen_addr for c in captured] == [
+        ListenAddress("127.0.0.1", 9191),
+        ListenAddress("::1", 0),
+    ]
+    assert all(c.metrics_port is None for c in captured)  # folded into the address
+
+
+def test_metrics_defaults_and_the_older_port_flag(captured: list[ServeConfig]) -> None:
+    """Without either flag: 0.0.0.0:9090. `--metrics-port` keeps working: the port on 0.0.0.0."""
+    for args in ([], ["--metrics-port=9191"]):
+        code, output = _serve(args)
+        assert code == 0, output
+    assert [c.metrics_listen_addr for c in captured] == [
+        ListenAddress("0.0.0.0", 9090),
+        ListenAddress("0.0.0.0", 9191),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--metrics-listen-addr=127.0.0.1:9191", "--metrics-port=9191"], {}),
+        # the default address spelled out is still a second way to say it
+        (["--metrics-listen-addr=0.0.0.0:9090", "--metrics-port=9191"], {}),
+        (["--metrics-listen-addr=127.0.0.1:9191"], {"STARGATE_METRICS_PORT": "9191"}),
+        ([], {"STARGATE_METRICS_LISTEN_ADDR": "127.0.0.1:1", "STARGATE_METRICS_PORT": "2"}),
+    ],
+    ids=["flags", "default-address", "flag-and-env", "env"],
+)
+def test_metrics_port_with_metrics_listen_addr_is_a_usage_error_naming_both(
+    captured: list[ServeConfig], args: list[str], env: dict[str, str]
+) -> None:
+    code, output = _serve(args, env)
+    assert code == 2, output
+    assert "--metrics-port cannot be combined with --metrics-listen-addr" in output
+    assert captured == []
+
+
+def test_serve_config_folds_the_older_metrics_port() -> None:
+    """Code that builds a `ServeConfig` keeps `metrics_port`; the rule is the CLI's."""
+    from stargate.config import ConfigError
+
+    assert ServeConfig("r", metrics_port=0) == ServeConfig(
+        "r", metrics_listen_addr=ListenAddress("0.0.0.0", 0)
+    )
+    with pytest.raises(ConfigError, match="--metrics-port cannot be combined"):
+        ServeConfig("r", metrics_listen_addr=ListenAddress("127.0.0.1", 1), metrics_port=2)
+    with pytest.raises(ConfigError, match=r"--metrics-port\) must be from 0 to 65535"):
+        ServeConfig("r", metrics_port=70_000)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ([], {}, True),  # parity with the Rust router
+        (["--no-debug-endpoints"], {}, False),
+        (["--debug-endpoints"], {}, True),
+        ([], {"STARGATE_DEBUG_ENDPOINTS": "false"}, False),
+        (["--debug-endpoints"], {"STARGATE_DEBUG_ENDPOINTS": "false"}, True),  # the flag wins
+    ],
+)
+def test_debug_endpoints_switch(
+    captured: list[ServeConfig], args: list[str], env: dict[str, str], expected: bool
+) -> None:
+    code, output = _serve(args, env)
+    assert code == 0, output
+    assert captured[0].debug_endpoints is expected
+
+
+def test_debug_endpoints_bad_environment_value_names_the_flag(captured: list[ServeConfig]) -> None:
+    code, output = _serve([], {"STARGATE_DEBUG_ENDPOINTS": "sometimes"})
+    assert code == 2, output
+    assert "--debug-endpoints" in output
+    assert captured == []
+
+
+def test_demo_metrics_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stargate demo` binds like its other listeners (127.0.0.1); `--metrics-port` sets the port
+    there; both flags at once is the same usage error as for `serve`."""
+    from stargate import demo
+
+    configs: list[demo.DemoConfig] = []
+
+    async def fake_run_demo(config: demo.DemoConfig) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    runner = CliRunner()
+    for args in ([], ["--metrics-port=9191"], ["--metrics-listen-addr=0.0.0.0:9292"]):
+        result = runner.invoke(main, ["demo", *args], env={})
+        assert result.exit_code == 0, result.output
+    assert [c.metrics_listen_addr for c in configs] == [
+        ListenAddress("127.0.0.1", 9090),
+        ListenAddress("127.0.0.1", 9191),
+        ListenAddress("0.0.0.0", 9292),
+    ]
+    result = runner.invoke(
+        main, ["demo", "--metrics-port=1", "--metrics-listen-addr=127.0.0.1:2"], env={}
+    )
+    assert result.exit_code == 2
+    assert "--metrics-port cannot be combined with --metrics-listen-addr" in result.output
+
+
+def test_client_limit_flags(captured: list[ServeConfig]) -> None:
+    """`--request-body-timeout-ms` and `--max-client-connections`: defaults, flags, environment
+    variables, and an explicit 0 (which disables each)."""
+    code, output = _serve([])
+    assert code == 0, output
+    assert captured[-1].request_body_timeout_ms == 30_000
+    assert captured[-1].request_body_timeout_seconds == 30.0
+    assert captured[-1].max_client_connections == 384
+    code, output = _serve(["--request-body-timeout-ms=0", "--max-client-connections=0"])
+    assert code == 0, output
+    assert captured[-1].request_body_timeout_seconds is None
+    assert captured[-1].max_client_connections == 0
+    env = {"STARGATE_REQUEST_BODY_TIMEOUT_MS": "1500", "STARGATE_MAX_CLIENT_CONNECTIONS": "20"}
+    code, output = _serve([], env)
+    assert code == 0, output
+    assert (captured[-1].request_body_timeout_ms, captured[-1].max_client_connections) == (1500, 20)
+
+
+@pytest.mark.parametrize("flag", ["--request-body-timeout-ms", "--max-client-connections"])
+def test_negative_client_limits_are_usage_errors_naming_the_flag(
+    captured: list[ServeConfig], flag: str
+) -> None:
+    code, output = _serve([f"{flag}=-1"])
+    assert code == 2
+    assert f"'{flag}'" in output
+    assert captured == []
+
+
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("request_body_timeout_ms", "--request-body-timeout-ms"),
+        ("max_client_connections", "--max-client-connections"),
+    ],
+)
+def test_serve_config_names_the_flag_of_a_negative_client_limit(field: str, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        ServeConfig(stargate_id="x", **{field: -1})  # type: ignore[arg-type]

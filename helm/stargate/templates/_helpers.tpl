@@ -81,6 +81,46 @@ CLI, not the chart, rejects it.
 {{- end }}
 
 {{/*
+"stargate.metricsListenAddr": <metrics.listenHost or 0.0.0.0>:<ports.metrics>, an IPv6 host in
+brackets. The port is always ports.metrics, so the containerPort, the headless Service and the
+ServiceMonitor stay on the port the listener binds.
+*/}}
+{{- define "stargate.metricsListenAddr" -}}
+{{- $host := toString (default "0.0.0.0" .Values.metrics.listenHost) }}
+{{- if and (contains ":" $host) (not (hasPrefix "[" $host)) }}
+{{- $host = printf "[%s]" $host }}
+{{- end }}
+{{- printf "%s:%s" $host (include "stargate.int" .Values.ports.metrics) }}
+{{- end }}
+
+{{/*
+"stargate.kubernetesPools": "true" when the pools use the kubernetes member controller:
+pools.kubernetesController, or a pool in pools.config (a map or a YAML string) whose
+controller.kind is kubernetes.
+*/}}
+{{- define "stargate.kubernetesPools" -}}
+{{- $found := .Values.pools.kubernetesController }}
+{{- $config := .Values.pools.config }}
+{{- if kindIs "string" $config }}
+{{- $config = fromYaml $config }}
+{{- end }}
+{{- if kindIs "map" $config }}
+{{- $pools := get $config "pools" }}
+{{- if kindIs "slice" $pools }}
+{{- range $pool := $pools }}
+{{- if kindIs "map" $pool }}
+{{- $controller := get $pool "controller" }}
+{{- if and (kindIs "map" $controller) (eq (toString (get $controller "kind")) "kubernetes") }}
+{{- $found = true }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- ternary "true" "false" (eq (toString $found) "true") }}
+{{- end }}
+
+{{/*
 Render-time guards (fail early instead of producing a broken release).
 */}}
 {{- define "stargate.validate" -}}
@@ -93,6 +133,15 @@ Render-time guards (fail early instead of producing a broken release).
 {{- end }}
 {{- if and (gt (int64 .Values.replicaCount) 1) (eq (toString $s.disableDnsDiscovery) "true") }}
 {{- fail "serve.disableDnsDiscovery cannot be true when replicaCount is greater than 1; multi-replica routers require DNS discovery" }}
+{{- end }}
+{{- /* Pools are per replica (one activator, per-process locks): with a shared (kubernetes) member
+controller several replicas would scale down each other's busy members (README, Model pools). */}}
+{{- if and .Values.pools.enabled (gt (int64 .Values.replicaCount) 1) (include "stargate.kubernetesPools" . | eq "true") }}
+{{- fail (printf "pools.enabled with the kubernetes member controller requires replicaCount: 1 (got %d): every replica runs its own activator with per-process locks, so replicas would scale down each other's busy members and undo each other's activations" (int64 .Values.replicaCount)) }}
+{{- end }}
+{{- $metricsHost := toString (default "0.0.0.0" .Values.metrics.listenHost) }}
+{{- if and (or .Values.metrics.enabled .Values.metrics.serviceMonitor.enabled) (or (hasPrefix "127." $metricsHost) (has $metricsHost (list "localhost" "::1" "[::1]"))) }}
+{{- fail (printf "metrics.listenHost %s is a loopback address: Prometheus cannot scrape it through the headless Service; unset metrics.enabled and metrics.serviceMonitor.enabled, or use another host" $metricsHost) }}
 {{- end }}
 {{- if .Values.podDisruptionBudget.enabled }}
 {{- $max := not (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable) }}
@@ -134,7 +183,7 @@ truthiness, decides: 0, false and "" are rendered.
 {{- else if empty $s.peer }}
 {{- $args = append $args (printf "--stargate-discovery-dns-name=%s" (include "stargate.discoveryDnsName" .)) }}
 {{- end }}
-{{- $args = append $args (printf "--metrics-port=%s" (include "stargate.int" $v.ports.metrics)) }}
+{{- $args = append $args (printf "--metrics-listen-addr=%s" (include "stargate.metricsListenAddr" .)) }}
 {{- $args = append $args (printf "--shutdown-delay-ms=%s" (include "stargate.int" $v.shutdown.delayMs)) }}
 {{- $args = append $args (printf "--shutdown-drain-timeout-ms=%s" (include "stargate.int" $v.shutdown.drainTimeoutMs)) }}
 {{- range $pair := list (list "warmupMs" "--readiness-warmup-ms") (list "warmupSampleIntervalMs" "--warmup-sample-interval-ms") (list "warmupStabilizationWindow" "--warmup-stabilization-window") }}
@@ -146,7 +195,8 @@ truthiness, decides: 0, false and "" are rendered.
 {{- if $v.pools.enabled }}
 {{- $args = append $args "--pool-config=/etc/stargate/pools.yaml" }}
 {{- end }}
-{{- /* [key, flag, kind]: value = --flag=<v>; switch = bare --flag when true; list = one --flag=<item> each */}}
+{{- /* [key, flag, kind]: value = --flag=<v>; switch = bare --flag when true; toggle = --flag when
+true, --no-flag when false; list = one --flag=<item> each */}}
 {{- $flags := list
   (list "peer" "--peer" "list")
   (list "disableDnsDiscovery" "--disable-dns-discovery" "switch")
@@ -175,8 +225,12 @@ truthiness, decides: 0, false and "" are rendered.
   (list "poolConfig" "--pool-config" "value")
   (list "poolResyncIntervalMs" "--pool-resync-interval-ms" "value")
   (list "poolControllerTimeoutMs" "--pool-controller-timeout-ms" "value")
+  (list "requestBodyTimeoutMs" "--request-body-timeout-ms" "value")
+  (list "maxClientConnections" "--max-client-connections" "value")
   (list "metricsPrefix" "--metrics-prefix" "value")
+  (list "debugEndpoints" "--debug-endpoints" "toggle")
   (list "logLevel" "--log-level" "value")
+  (list "logFormat" "--log-format" "value")
 }}
 {{- range $f := $flags }}
 {{- $val := index $s (index $f 0) }}
@@ -187,6 +241,8 @@ truthiness, decides: 0, false and "" are rendered.
 {{- if eq (toString $val) "true" }}
 {{- $args = append $args $flag }}
 {{- end }}
+{{- else if eq $kind "toggle" }}
+{{- $args = append $args (ternary $flag (printf "--no-%s" (trimPrefix "--" $flag)) (eq (toString $val) "true")) }}
 {{- else if eq $kind "list" }}
 {{- range $item := $val }}
 {{- $args = append $args (printf "%s=%s" $flag (include "stargate.int" $item)) }}

@@ -1,0 +1,473 @@
+"""Limits on what one client can hold on the replica's HTTP listener: a request body that stalls,
+and connections that pile up (docs/http-serving.md, "Limits").
+
+Hypercorn closes a connection whose request head does not arrive within its keep-alive timeout
+(5 s), but once a head is complete nothing bounds the body: a client that sends it at one byte a
+second, or never, held its connection, counted as a request in flight, and kept every graceful
+shutdown waiting until the drain deadline. And nothing bounds connections: some 35 such clients
+on a replica with a scaled-down descriptor table left no descriptor for the kubelet's probes or
+for real requests. Two limits close that:
+
+* **Request body time** (`limit_request_body_time`, `--request-body-timeout-ms`): a request whose
+  body has not fully arrived that long after its head is answered 408 and its connection closed
+  (HTTP/2: the stream is reset, the connection stays). Its app is cancelled, so it stops counting
+  as in flight and no longer holds a drain. A response already under way is cut instead.
+* **Client connections** (`ConnectionLimit`, `--max-client-connections`): the listener counts its
+  open connections. Up to the cap they are served as usual; past it, up to `CONNECTION_RESERVE`
+  more are accepted but serve only the probes (`PROBE_PATHS`), every other request there getting
+  503 `too_many_connections` with `Connection: close`, so the kubelet keeps reaching `/healthz`
+  and `/readyz` when clients have taken every slot; past the reserve a new connection is closed
+  as soon as it is accepted. A reserve connection is promoted to a normal one when a normal one
+  closes. At start-up `check_open_file_limit` raises the soft `RLIMIT_NOFILE` to the hard limit
+  (as Go's runtime does) and warns when the descriptors the cap may need exceed it.
+
+Both apply to the HTTP listener only (proxy routes and the admin app): gRPC registration streams
+are long-lived by design, and Pylon channels are not client connections. The body limit is an
+ASGI wrapper (`limit_request_body_time`, applied by the runtime); the connection count patches
+Hypercorn's `TCPServer.run` for the listeners registered with `limit_connections` (`apply()`,
+called when `stargate/serving.py` is imported, after the Hypercorn fixes). On those listeners an
+HTTP/2 stream whose response is complete while its request body is not is reset with NO_ERROR
+(RFC 9113 §8.1), the HTTP/2 counterpart of closing an HTTP/1.1 connection after such an answer.
+
+The answers the limits make follow the error contract (docs/clients.md, "Error bodies"): a bare
+status with `x-stargate-error-code`, or, through the `Refusal` the runtime passes, the OpenAI error
+document for an OpenAI-form request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import resource
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import h2.errors
+import h2.exceptions
+import trio
+from h2.stream import StreamState
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.typing import AppWrapper
+
+from stargate.asgi import ASGIApp, ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+from stargate.metrics import HttpMetrics
+
+__all__ = [
+    "CONNECTION_RESERVE",
+    "DESCRIPTOR_HEADROOM",
+    "PROBE_PATHS",
+    "Admission",
+    "ConnectionLimit",
+    "Refusal",
+    "admission",
+    "apply",
+    "bare_refusal",
+    "check_open_file_limit",
+    "descriptors_needed",
+    "limit_connections",
+    "limit_request_body_time",
+    "raise_open_file_limit",
+]
+
+log = logging.getLogger(__name__)
+
+CONNECTION_RESERVE = 32
+"""Connections accepted past `--max-client-connections` that serve only the probes: room for the
+kubelet's probes (a new connection each, every few seconds) and an operator's curl."""
+
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+"""The paths a reserve connection serves (the admin app's probes, stargate/admin_app.py)."""
+
+DESCRIPTOR_HEADROOM = 128
+"""Descriptors a replica needs besides its client connections and their upstream connections:
+the four listeners, Pylon registration channels, backend health probes, idle upstream keep-alive
+connections, log files. Only used to warn (`descriptors_needed`)."""
+
+Headers = list[tuple[bytes, bytes]]
+
+Refusal = Callable[[Iterable[tuple[bytes, bytes]], int, str, str], tuple[Headers, bytes]]
+"""Builds a limit's answer from the request's headers, the status, the error code and a message:
+the headers (with `x-stargate-error-code`) and the body."""
+
+
+def bare_refusal(
+    headers: Iterable[tuple[bytes, bytes]], status: int, code: str, message: str
+) -> tuple[Headers, bytes]:
+    """The Rust-form answer: no body, the code in `x-stargate-error-code`."""
+    return [(b"x-stargate-error-code", code.encode())], b""
+
+
+async def _refuse(
+    scope: ASGIScope,
+    send: ASGISend,
+    refusal: Refusal,
+    status: int,
+    code: str,
+    message: str,
+    extra: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
+    """Answer `status` and end the exchange: `Connection: close` on HTTP/1.x (the connection
+    closes after it); on HTTP/2, which has no such header, the stream ends."""
+    headers, body = refusal(scope["headers"], status, code, message)
+    headers = [*headers, *extra, (b"content-length", str(len(body)).encode())]
+    if scope.get("http_version") in ("1.0", "1.1"):
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# --- request body time ---------------------------------------------------------------------------
+
+
+@dataclass
+class _BodyWatch:
+    """One exchange's body: whether it has all arrived (or the client left), whether the app has
+    started its response, and whether the deadline passed first."""
+
+    arrived: trio.Event
+    started: bool = False
+    expired: bool = False
+
+
+def limit_request_body_time(
+    app: ASGIApp,
+    timeout: float,
+    refusal: Refusal = bare_refusal,
+    *,
+    metrics: HttpMetrics | None = None,
+) -> ASGIApp:
+    """Wrap `app` so a request body must have fully arrived `timeout` seconds after the head.
+
+    The app starts when Hypercorn has the head, and reads the body through `receive()`; every app
+    on the HTTP listener reads it as it arrives (the proxy buffers it for replay, Quart reads it
+    eagerly), so a body the app has not seen by the deadline has not arrived. Then the app is
+    cancelled (as a shutdown would), and the exchange is answered 408 `request_body_timeout`
+    with `Connection: close`, or, if the app had started a response, ended unfinished: Hypercorn
+    then closes an HTTP/1.1 connection, and resets an HTTP/2 stream. A 408 on HTTP/2 ends its
+    stream; the reset after it asks the client to stop sending (`apply()`).
+    """
+
+    async def limited(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        watch = _BodyWatch(trio.Event())
+
+        async def receive_watched() -> ASGIMessage:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                watch.arrived.set()  # the whole body, or the client left
+            return message
+
+        async def send_watched(message: ASGIMessage) -> None:
+            if message["type"] == "http.response.start":
+                watch.started = True
+            await send(message)
+
+        async def expire(app_scope: trio.CancelScope) -> None:
+            with trio.move_on_after(timeout):
+                await watch.arrived.wait()
+                return
+            watch.expired = True
+            app_scope.cancel()
+
+        with trio.CancelScope() as app_scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(expire, app_scope)
+                await app(scope, receive_watched, send_watched)
+                nursery.cancel_scope.cancel()
+        if not watch.expired:
+            return
+        if metrics is not None:
+            metrics.request_body_timeouts.inc()
+        log.debug(
+            "request body not complete %g s after its head: %s %s from %s",
+            timeout,
+            scope.get("method"),
+            scope.get("path"),
+            _client(scope),
+        )
+        if not watch.started:
+            message = f"the request body did not arrive within {timeout:g} s"
+            async with trio.open_nursery() as nursery:
+                # The app no longer reads: keep Hypercorn's queue to it (10 messages) moving, or
+                # the `http.disconnect` the answer's last send produces could wait on it forever.
+                nursery.start_soon(_discard, receive)
+                await _refuse(scope, send, refusal, 408, "request_body_timeout", message)
+                nursery.cancel_scope.cancel()
+
+    return limited
+
+
+async def _discard(receive: ASGIReceive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _client(scope: ASGIScope) -> str:
+    client = scope.get("client")
+    return "unknown" if not client else f"{client[0]}:{client[1]}"
+
+
+# --- client connections --------------------------------------------------------------------------
+
+
+class Admission(enum.Enum):
+    """What a newly accepted connection gets."""
+
+    SERVE = "serve"  # a normal slot
+    RESERVE = "reserve"  # a reserve slot: probes only
+    REFUSE = "refuse"  # closed at once
+
+
+def admission(open_connections: int, cap: int, reserve: int) -> Admission:
+    """The decision for a new connection while `open_connections` are open (pure). `cap` 0 means
+    unlimited."""
+    if cap == 0 or open_connections < cap:
+        return Admission.SERVE
+    if open_connections < cap + reserve:
+        return Admission.RESERVE
+    return Admission.REFUSE
+
+
+def descriptors_needed(cap: int, reserve: int = CONNECTION_RESERVE) -> int:
+    """File descriptors a replica may need at `cap` client connections: two per normal slot (the
+    client connection and the upstream connection its request may hold), one per reserve slot
+    (probes hold no upstream connection), plus `DESCRIPTOR_HEADROOM`."""
+    return 2 * cap + reserve + DESCRIPTOR_HEADROOM
+
+
+@dataclass(eq=False)
+class _Slot:
+    reserved: bool
+    released: bool = False
+
+
+class ConnectionLimit:
+    """The open client connections of one listener, and what each new one gets (`admission`).
+
+    Invariant: the normal slots in use are `min(open, cap)`; when a normal connection closes, the
+    oldest reserve connection (if any) takes its slot.
+    """
+
+    def __init__(
+        self,
+        cap: int,
+        reserve: int = CONNECTION_RESERVE,
+        *,
+        refusal: Refusal = bare_refusal,
+        metrics: HttpMetrics | None = None,
+    ) -> None:
+        if cap < 0 or reserve < 0:
+            raise ValueError("connection cap and reserve must not be negative")
+        self.cap = cap
+        self.reserve = reserve
+        self.refusal = refusal
+        self.metrics = metrics
+        self.open = 0
+        self._reserved: deque[_Slot] = deque()
+
+    def admit(self) -> _Slot | None:
+        """Count a new connection: its slot, or None when it must be closed."""
+        decision = admission(self.open, self.cap, self.reserve)
+        if decision is Admission.REFUSE:
+            self.refused("full")
+            return None
+        slot = _Slot(reserved=decision is Admission.RESERVE)
+        if slot.reserved:
+            self._reserved.append(slot)
+        self.open += 1
+        self._publish()
+        return slot
+
+    def release(self, slot: _Slot) -> None:
+        """The connection closed (idempotent)."""
+        if slot.released:
+            return
+        slot.released = True
+        self.open -= 1
+        if slot.reserved:
+            self._reserved.remove(slot)
+        elif self._reserved:
+            self._reserved.popleft().reserved = False
+        self._publish()
+
+    def refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.connection_refusals.labels(reason=reason).inc()
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.client_connections.set(self.open)
+
+
+class _ReserveGate:
+    """The app of a connection accepted in the reserve: probes pass; any other request is
+    answered 503 until the connection is promoted to a normal slot."""
+
+    def __init__(self, app: AppWrapper, slot: _Slot, limit: ConnectionLimit) -> None:
+        self.app = app
+        self.slot = slot
+        self.limit = limit
+
+    async def __call__(
+        self,
+        scope: ASGIScope,
+        receive: ASGIReceive,
+        send: ASGISend,
+        sync_spawn: Callable[..., Any],
+        call_soon: Callable[..., Any],
+    ) -> None:
+        if scope["type"] == "http" and self.slot.reserved and scope["path"] not in PROBE_PATHS:
+            self.limit.refused("reserve")
+            await _refuse(
+                scope,
+                send,
+                self.limit.refusal,
+                503,
+                "too_many_connections",
+                "the replica has no connection slot free; retry later",
+                [(b"retry-after", b"1")],
+            )
+            return
+        await self.app(scope, receive, send, sync_spawn, call_soon)  # type: ignore[arg-type]
+
+
+# Listeners served with client limits, by their Hypercorn config (one per listener).
+_limits: weakref.WeakKeyDictionary[HypercornConfig, ConnectionLimit] = weakref.WeakKeyDictionary()
+
+
+def limit_connections(config: HypercornConfig, limit: ConnectionLimit) -> None:
+    """Count the connections of the listener served with `config` against `limit`, and reset its
+    HTTP/2 streams answered before their request body (module docstring). Call before serving."""
+    _limits[config] = limit
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft `RLIMIT_NOFILE` to the hard limit, as Go's runtime does at start-up, and
+    return the soft limit now in force (`resource.RLIM_INFINITY` when unlimited)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # e.g. an unlimited hard limit on macOS
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft
+
+
+def check_open_file_limit(cap: int, reserve: int = CONNECTION_RESERVE) -> None:
+    """At start-up: raise the open-file limit, and warn if it is below `descriptors_needed`."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft = raise_open_file_limit()
+    if soft != before:
+        log.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d", before, soft)
+    if cap == 0 or soft == resource.RLIM_INFINITY:
+        return
+    needed = descriptors_needed(cap, reserve)
+    if soft < needed:
+        log.warning(
+            "the open-file limit (%d) is below the %d descriptors --max-client-connections=%d may "
+            "need (2 x %d client and upstream connections + %d reserve + %d for listeners, Pylon "
+            "channels and health probes): past it, accepting fails and probes time out; raise "
+            "the limit (ulimit -n, the container's nofile) or lower --max-client-connections",
+            soft,
+            needed,
+            cap,
+            cap,
+            reserve,
+            DESCRIPTOR_HEADROOM,
+        )
+
+
+# --- the Hypercorn hooks -------------------------------------------------------------------------
+
+_applied = False
+
+
+def apply() -> None:
+    """Install the connection count and the HTTP/2 early-answer reset (idempotent). They act
+    only on listeners registered with `limit_connections`."""
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    _count_connections()
+    _reset_streams_answered_early()
+
+
+# The slot of each counted connection, until its socket closes.
+_slots: weakref.WeakKeyDictionary[TCPServer, tuple[ConnectionLimit, _Slot]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _count_connections() -> None:
+    """Count from accept to the socket's close (`TCPServer._close`, or at the latest the end of
+    the connection's task).
+
+    A connection the client closes before sending a request used to stay open (CLOSE-WAIT) until
+    Hypercorn's keep-alive timer fired, up to 5 s later, and so kept its slot: a TCP health check
+    or a port scan held one slot per connection for 5 s. Once the client has closed its side,
+    nothing more can arrive, so the timer is stopped: the socket closes as soon as whatever
+    request was in progress has ended (its app hears `http.disconnect` right away).
+    """
+    original_run = TCPServer.run
+    original_close = TCPServer._close
+    original_read_data = TCPServer._read_data
+
+    async def run(self: TCPServer) -> None:
+        limit = _limits.get(self.config)
+        if limit is None:
+            await original_run(self)
+            return
+        slot = limit.admit()
+        if slot is None:
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self.stream.aclose()
+            return
+        if slot.reserved:
+            self.app = cast(AppWrapper, _ReserveGate(self.app, slot, limit))
+        _slots[self] = (limit, slot)
+        try:
+            await original_run(self)
+        finally:
+            limit.release(slot)
+
+    async def close(self: TCPServer) -> None:
+        try:
+            await original_close(self)
+        finally:
+            counted = _slots.pop(self, None)
+            if counted is not None:
+                counted[0].release(counted[1])
+
+    async def read_data(self: TCPServer) -> None:
+        await original_read_data(self)  # the client closed, or the socket did
+        if self in _slots:
+            await self.idle_task.stop()
+
+    TCPServer.run = run  # type: ignore[method-assign]
+    TCPServer._close = close  # type: ignore[method-assign]
+    TCPServer._read_data = read_data  # type: ignore[method-assign]
+
+
+def _reset_streams_answered_early() -> None:
+    original_close_stream = H2Protocol._close_stream
+
+    async def close_stream(self: H2Protocol, stream_id: int) -> None:
+        await original_close_stream(self, stream_id)
+        if self.closed or self.config not in _limits:
+            return
+        stream = self.connection.streams.get(stream_id)
+        if stream is not None and stream.state_machine.state is StreamState.HALF_CLOSED_LOCAL:
+            # RFC 9113 §8.1: the response is complete; the client may stop sending its body.
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+            await self._flush()
+
+    H2Protocol._close_stream = close_stream  # type: ignore[method-assign]

@@ -1,0 +1,387 @@
+"""The HTTP listener's client limits (`stargate/http_limits.py`): the admission rule and the
+descriptor arithmetic (pure), the connection count with its reserve, the open-file limit, and the
+request-body deadline on a fake ASGI app (virtual time).
+
+End to end: tests/e2e/test_client_limits.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import trio
+from prometheus_client import CollectorRegistry
+from trio.testing import MockClock
+
+from stargate import http_limits
+from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+from stargate.http_limits import (
+    CONNECTION_RESERVE,
+    Admission,
+    ConnectionLimit,
+    admission,
+    bare_refusal,
+    check_open_file_limit,
+    descriptors_needed,
+    limit_request_body_time,
+    raise_open_file_limit,
+)
+from stargate.metrics import HttpMetrics
+from stargate.proxy.contract import limit_answer
+
+# --- admission and descriptors (pure) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("open_connections", "expected"),
+    [
+        (0, Admission.SERVE),
+        (19, Admission.SERVE),
+        (20, Admission.RESERVE),
+        (20 + CONNECTION_RESERVE - 1, Admission.RESERVE),
+        (20 + CONNECTION_RESERVE, Admission.REFUSE),
+        (1000, Admission.REFUSE),
+    ],
+)
+def test_admission_serves_then_reserves_then_refuses(
+    open_connections: int, expected: Admission
+) -> None:
+    assert admission(open_connections, 20, CONNECTION_RESERVE) is expected
+
+
+def test_a_cap_of_zero_is_unlimited() -> None:
+    assert admission(10**6, 0, CONNECTION_RESERVE) is Admission.SERVE
+
+
+def test_a_zero_reserve_refuses_at_the_cap() -> None:
+    assert admission(19, 20, 0) is Admission.SERVE
+    assert admission(20, 20, 0) is Admission.REFUSE
+
+
+def test_descriptors_needed_counts_an_upstream_connection_per_normal_slot() -> None:
+    assert descriptors_needed(384) == 2 * 384 + CONNECTION_RESERVE + http_limits.DESCRIPTOR_HEADROOM
+    # The default cap fits the usual soft limit of 1,024.
+    assert descriptors_needed(384) <= 1024
+    assert descriptors_needed(512) > 1024
+
+
+# --- the connection count ------------------------------------------------------------------------
+
+
+def _metrics() -> tuple[HttpMetrics, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return HttpMetrics.create(registry, "t_"), registry
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_connections_fill_the_cap_then_the_reserve_then_are_refused() -> None:
+    metrics, registry = _metrics()
+    limit = ConnectionLimit(2, 1, metrics=metrics)
+    first, second, third = limit.admit(), limit.admit(), limit.admit()
+    assert first is not None and not first.reserved
+    assert second is not None and not second.reserved
+    assert third is not None and third.reserved
+    assert limit.admit() is None
+    assert _value(registry, "t_http_client_connections") == 3
+    assert _value(registry, "t_http_connection_refusals_total", reason="full") == 1
+    assert _value(registry, "t_http_connection_refusals_total", reason="reserve") == 0
+
+
+def test_a_reserve_connection_takes_the_slot_a_normal_one_frees() -> None:
+    limit = ConnectionLimit(1, 2)
+    normal, early, late = limit.admit(), limit.admit(), limit.admit()
+    assert normal is not None and early is not None and late is not None
+    assert (normal.reserved, early.reserved, late.reserved) == (False, True, True)
+    limit.release(normal)
+    assert (early.reserved, late.reserved) == (False, True)  # the oldest first
+    limit.release(late)  # a reserve connection leaving promotes nobody
+    assert limit.open == 1 and not early.reserved
+    assert limit.admit() is not None  # room in the reserve again
+
+
+def test_release_is_idempotent() -> None:
+    metrics, registry = _metrics()
+    limit = ConnectionLimit(5, metrics=metrics)
+    slot = limit.admit()
+    assert slot is not None
+    limit.release(slot)
+    limit.release(slot)
+    assert limit.open == 0
+    assert _value(registry, "t_http_client_connections") == 0
+
+
+def test_an_unlimited_listener_still_counts() -> None:
+    metrics, registry = _metrics()
+    limit = ConnectionLimit(0, metrics=metrics)
+    slots = [limit.admit() for _ in range(100)]
+    assert all(slot is not None and not slot.reserved for slot in slots)
+    assert _value(registry, "t_http_client_connections") == 100
+
+
+# --- the open-file limit -------------------------------------------------------------------------
+
+
+def test_raise_open_file_limit_lifts_the_soft_limit_to_the_hard_one() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert raise_open_file_limit() == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class _FakeRlimit:
+    def __init__(self, soft: int, hard: int) -> None:
+        self.limits = (soft, hard)
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        self.limits = limits
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "cap", "warns"),
+    [
+        (1024, 1024, 384, False),  # the default cap fits the usual limit
+        (1024, 1024, 512, True),
+        (1024, 4096, 512, False),  # raised to the hard limit first
+        (1024, 1024, 0, False),  # unlimited: nothing to compare
+    ],
+)
+def test_check_open_file_limit_warns_when_the_cap_may_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    soft: int,
+    hard: int,
+    cap: int,
+    warns: bool,
+) -> None:
+    fake = _FakeRlimit(soft, hard)
+    monkeypatch.setattr(http_limits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(http_limits.resource, "setrlimit", fake.setrlimit)
+    with caplog.at_level(logging.INFO, logger="stargate.http_limits"):
+        check_open_file_limit(cap)
+    assert fake.limits == (hard, hard)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(warnings) is warns
+    if warns:
+        assert f"--max-client-connections={cap}" in warnings[0].getMessage()
+
+
+# --- the request-body deadline -------------------------------------------------------------------
+
+
+class _Exchange:
+    """One HTTP exchange driven by hand: the body chunks the client sends, the messages the app
+    sends back."""
+
+    def __init__(self, http_version: str = "1.1", headers: Iterable[tuple[bytes, bytes]] = ()):
+        self.scope: ASGIScope = {
+            "type": "http",
+            "http_version": http_version,
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": list(headers),
+            "client": ("127.0.0.1", 5000),
+        }
+        self.to_app, self._from_client = trio.open_memory_channel[ASGIMessage](10)
+        self.sent: list[ASGIMessage] = []
+
+    async def receive(self) -> ASGIMessage:
+        return await self._from_client.receive()
+
+    async def send(self, message: ASGIMessage) -> None:
+        self.sent.append(message)
+
+    @property
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return starts[-1]["status"] if starts else None
+
+    def headers(self) -> dict[bytes, bytes]:
+        start = [m for m in self.sent if m["type"] == "http.response.start"][-1]
+        return dict(start["headers"])
+
+
+class _ReadingApp:
+    """Reads the whole body, then answers 200 after `then` seconds."""
+
+    def __init__(self, then: float = 0.0, *, start_first: bool = False) -> None:
+        self.then = then
+        self.start_first = start_first
+        self.cancelled = False
+        self.finished = False
+
+    async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        try:
+            if self.start_first:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+            while (message := await receive())["type"] == "http.request" and message.get(
+                "more_body", False
+            ):
+                pass
+            await trio.sleep(self.then)
+            if not self.start_first:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            self.finished = True
+        except trio.Cancelled:
+            self.cancelled = True
+            raise
+
+
+async def test_a_body_that_never_arrives_is_answered_408_and_the_app_cancelled(
+    autojump_clock: MockClock,
+) -> None:
+    app = _ReadingApp()
+    exchange = _Exchange()
+    started = trio.current_time()
+    await limit_request_body_time(app, 2.0)(exchange.scope, exchange.receive, exchange.send)
+    assert trio.current_time() - started == pytest.approx(2.0)
+    assert app.cancelled and not app.finished
+    assert exchange.status == 408
+    assert exchange.headers() == {
+        b"x-stargate-error-code": b"request_body_timeout",
+        b"content-length": b"0",
+        b"connection": b"close",
+    }
+    assert exchange.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+async def test_a_trickling_body_is_cut_at_the_deadline_from_the_head(
+    autojump_clock: MockClock,
+) -> None:
+    metrics, registry = _metrics()
+    app = _ReadingApp()
+    exchange = _Exchange()
+
+    async def trickle() -> None:
+        for _ in range(10):
+            await exchange.to_app.send({"type": "http.request", "body": b"x", "more_body": True})
+            await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        limited = limit_request_body_time(app, 3.5, metrics=metrics)
+        started = trio.current_time()
+        await limited(exchange.scope, exchange.receive, exchange.send)
+        assert trio.current_time() - started == pytest.approx(3.5)  # no byte extended it
+        nursery.cancel_scope.cancel()
+    assert exchange.status == 408
+    assert _value(registry, "t_http_request_body_timeouts_total") == 1
+
+
+async def test_a_complete_body_lifts_the_deadline(autojump_clock: MockClock) -> None:
+    app = _ReadingApp(then=60.0)  # a long answer (a stream) after the body
+    exchange = _Exchange()
+    await exchange.to_app.send({"type": "http.request", "body": b"{}", "more_body": False})
+    await limit_request_body_time(app, 1.0)(exchange.scope, exchange.receive, exchange.send)
+    assert app.finished and exchange.status == 200
+
+
+async def test_a_started_response_is_cut_without_a_408(autojump_clock: MockClock) -> None:
+    app = _ReadingApp(start_first=True)
+    exchange = _Exchange()
+    await limit_request_body_time(app, 1.0)(exchange.scope, exchange.receive, exchange.send)
+    assert app.cancelled
+    assert [m["type"] for m in exchange.sent] == ["http.response.start"]  # left unfinished
+
+
+async def test_http2_gets_no_connection_header(autojump_clock: MockClock) -> None:
+    exchange = _Exchange(http_version="2")
+    await limit_request_body_time(_ReadingApp(), 1.0)(
+        exchange.scope, exchange.receive, exchange.send
+    )
+    assert exchange.status == 408
+    assert b"connection" not in exchange.headers()
+
+
+async def test_an_openai_form_request_gets_the_openai_error_document(
+    autojump_clock: MockClock,
+) -> None:
+    def refusal(
+        headers: Iterable[tuple[bytes, bytes]], status: int, code: str, message: str
+    ) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        return limit_answer(headers, status, code, message, accept_openai_requests=True)
+
+    exchange = _Exchange()  # no x-model: the OpenAI form
+    await limit_request_body_time(_ReadingApp(), 1.0, refusal)(
+        exchange.scope, exchange.receive, exchange.send
+    )
+    headers = exchange.headers()
+    assert headers[b"x-stargate-error-code"] == b"request_body_timeout"
+    assert headers[b"content-type"] == b"application/json"
+    body = json.loads(exchange.sent[-1]["body"])
+    assert body["error"]["code"] == "request_body_timeout"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert int(headers[b"content-length"]) == len(exchange.sent[-1]["body"])
+
+    header_form = _Exchange(headers=[(b"x-model", b"m")])  # the Rust header form: bare
+    await limit_request_body_time(_ReadingApp(), 1.0, refusal)(
+        header_form.scope, header_form.receive, header_form.send
+    )
+    assert header_form.sent[-1]["body"] == b""
+    assert header_form.headers()[b"x-stargate-error-code"] == b"request_body_timeout"
+
+
+async def test_the_queue_to_the_app_keeps_moving_while_the_408_is_sent(
+    autojump_clock: MockClock,
+) -> None:
+    """Hypercorn puts `http.disconnect` on the app's queue (10 messages) from inside the answer's
+    last send; with the queue full of body chunks the cancelled app never read, that send would
+    wait forever unless the wrapper drains the queue."""
+    exchange = _Exchange()
+    exchange.to_app, exchange._from_client = trio.open_memory_channel[ASGIMessage](2)
+    for _ in range(2):
+        await exchange.to_app.send({"type": "http.request", "body": b"x", "more_body": True})
+
+    async def hypercorn_send(message: ASGIMessage) -> None:
+        exchange.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            await exchange.to_app.send({"type": "http.disconnect"})
+
+    async def never_reads(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        await trio.sleep_forever()
+
+    with trio.fail_after(5):
+        await limit_request_body_time(never_reads, 1.0)(
+            exchange.scope, exchange.receive, hypercorn_send
+        )
+    assert exchange.status == 408
+
+
+async def test_a_client_that_leaves_is_not_a_timeout(autojump_clock: MockClock) -> None:
+    app = _ReadingApp()
+    exchange = _Exchange()
+    await exchange.to_app.send({"type": "http.disconnect"})
+    await limit_request_body_time(app, 1.0)(exchange.scope, exchange.receive, exchange.send)
+    assert exchange.status == 200  # the fake app does not care; the wrapper did not interfere
+
+
+async def test_other_scopes_pass_through() -> None:
+    seen: list[str] = []
+
+    async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        seen.append(scope["type"])
+
+    async def never() -> Any:
+        await trio.sleep_forever()
+
+    async def drop(message: ASGIMessage) -> None:
+        pass
+
+    await limit_request_body_time(app, 0.001)({"type": "lifespan"}, never, drop)
+    assert seen == ["lifespan"]
+
+
+def test_the_bare_refusal_has_only_the_code() -> None:
+    assert bare_refusal([], 503, "too_many_connections", "full") == (
+        [(b"x-stargate-error-code", b"too_many_connections")],
+        b"",
+    )
