@@ -572,6 +572,16 @@ class Activator:
                         f"model pool swap failed for member {target}: {error}",
                         "error",
                     )
+                if outcome is SwapOutcome.ABANDONED or outcome is SwapOutcome.FAILED:
+                    # The controller may have stopped the incumbent while starting the target (a
+                    # process pool does): re-derive who is resident now, before the waiters this
+                    # wakes decide on the belief from before the swap (docs/activator.md,
+                    # Self-heal; tests/faults/test_activator_faults.py).
+                    st.resident_checked_at = None
+                    if reconcile_resident(
+                        st, self._availability.is_available, now, self._resync_interval
+                    ):
+                        pool.publish_resident()
             finally:
                 pool.notify()
 

@@ -24,9 +24,11 @@ Lifecycle of one member (an `_Engine`):
   next `activate` starts it again.
 
 Each engine runs in its own session (so its own process group): signals go to the whole group,
-which also reaches the workers a wrapper script or a multi-process engine spawns. stdin is
-/dev/null; stdout and stderr are inherited, so engine logs land in the router's own output, which
-is where an operator of a single-machine setup looks first.
+which also reaches the workers a wrapper script or a multi-process engine spawns. An engine gets
+SIGTERM from the kernel when the replica dies, however it dies
+(stargate/activator/engine_process.py). stdin is /dev/null; stdout and stderr are inherited, so
+engine logs land in the router's own output, which is where an operator of a single-machine setup
+looks first.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
 import trio
 
+from stargate.activator.engine_process import EngineProcess, spawn_engine
 from stargate.health_probe import ProbeFailed, http_health_probe
 from stargate.routing.state import (
     AlreadyRegistered,
@@ -107,7 +109,7 @@ class _Engine:
         self.member = member
         self.port = port
         self.url = url
-        self.process: trio.Process | None = None  # None only while the spawn is in progress
+        self.process: EngineProcess | None = None  # None only while the spawn is in progress
         self.registration: Registration | None = None
         self.healthy = False  # registered at least once (phase "Running")
         self.routed = False  # the registration holds an active route right now
@@ -270,13 +272,9 @@ class ProcessController:
             extra={"pool": self.pool_name, "member": member},
         )
         try:
-            # Not cancellable mid-spawn (trio runs Popen in a thread and waits for it), so a
-            # spawned process is always recorded.
-            process = await trio.lowlevel.open_process(
-                argv,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            # Synchronous, so a spawned process is always recorded; it dies with the replica
+            # (stargate/activator/engine_process.py).
+            process = spawn_engine(argv)
         except BaseException:
             self._forget(engine)
             engine.stopped.set()
