@@ -417,7 +417,7 @@ def _forwardable_query(query: bytes) -> bytes:
     """The query with every byte outside visible ASCII written as `%XX`.
 
     HTTP/1.1 lets only visible ASCII into a request target, but HTTP/2 checks nothing in `:path`
-    beyond NUL, CR and LF, so `?\x01` or `?caf\xc3\xa9` reached the upstream pool, which cannot
+    beyond NUL, CR and LF, so `?\\x01` or `?caf\\xc3\\xa9` reached the upstream pool, which cannot
     send it over HTTP/1.1 and raised: a 500 with a traceback for a client's bad byte (found by
     tests/unit/proxy/test_bad_input.py). Encoding them is what a browser does with such a URL;
     a valid query is forwarded unchanged.
