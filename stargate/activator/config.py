@@ -115,10 +115,11 @@ _DURATION_UNITS: Final[Mapping[str, Fraction]] = {
     "h": Fraction(3600),
 }
 # Longest units first so "ms" is not read as "m" followed by garbage.
-_DURATION_PART = re.compile(
-    r"(\d+(?:\.\d*)?|\.\d+)(" + "|".join(sorted(_DURATION_UNITS, key=len, reverse=True)) + ")"
-)
-_BARE_NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+# ASCII digits only, as Go's ParseDuration (`\d` would take any Unicode digit).
+_NUMBER = r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+"
+_UNITS = "|".join(sorted(_DURATION_UNITS, key=len, reverse=True))
+_DURATION_PART = re.compile(rf"({_NUMBER})({_UNITS})")
+_BARE_NUMBER = re.compile(_NUMBER)
 
 
 class PoolConfigError(ValueError):
@@ -145,7 +146,7 @@ def parse_duration(text: str) -> float:
     if not body:
         raise ValueError(f"invalid duration {text!r}: no value")
     if _BARE_NUMBER.fullmatch(body):
-        return float(Fraction(body))
+        return _seconds(Fraction(body), text)
     total = Fraction(0)
     pos = 0
     while pos < len(body):
@@ -157,7 +158,14 @@ def parse_duration(text: str) -> float:
             )
         total += Fraction(match.group(1)) * _DURATION_UNITS[match.group(2)]
         pos = match.end()
-    return float(total)
+    return _seconds(total, text)
+
+
+def _seconds(value: Fraction, text: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"invalid duration {text[:40]!r}: too large") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +370,10 @@ def load_pool_config(path: str | PathLike[str]) -> PoolsConfig:
         raise PoolConfigError(f"{source}: {where}{problem}") from exc
     except yaml.YAMLError as exc:
         raise PoolConfigError(f"{source}: invalid YAML: {exc}") from exc
+    except RecursionError:
+        raise PoolConfigError(f"{source}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        raise PoolConfigError(f"{source}: invalid YAML: {exc}") from None
     try:
         return parse_pool_config(data)
     except PoolConfigError as exc:
@@ -465,9 +477,13 @@ def _optional_duration(raw: Mapping[Any, Any], key: str, where: str) -> float | 
         return None
     path = f"{where}.{key}"
     if is_number(value):  # not a bool: `true` falls through to "invalid duration True"
-        if not math.isfinite(value) or value < 0:
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer beyond float range
+            raise PoolConfigError(f"{path}: invalid duration: too large") from None
+        if not math.isfinite(seconds) or seconds < 0:
             raise PoolConfigError(f"{path}: invalid duration {value!r}: must be >= 0 seconds")
-        return float(value)
+        return seconds
     if not isinstance(value, str):
         raise PoolConfigError(f"{path}: invalid duration {value!r}")
     try:
