@@ -2,8 +2,15 @@
 
 The proxy routes sit in front of it (`stargate/proxy/app.py`); the probes stay cheap because the
 kubelet calls them every few seconds. Framework errors (404, 405) have an empty `text/plain` body,
-never Quart's HTML page. With `--accept-openai-requests`, `/v1/models` is a superset that both
-OpenAI SDKs and contract clients read, and `/v1/models/{id}` exists (docs/clients.md).
+never Quart's HTML page, and so has the automatic `OPTIONS` answer. With
+`--accept-openai-requests`, `/v1/models` is a superset that both OpenAI SDKs and contract clients
+read, and `/v1/models/{id}` exists (docs/clients.md).
+
+Bad input is an answer, never a 500 (tests/unit/proxy/test_bad_input.py): routing ignores the
+`Host` header (Werkzeug raised `BadHost` outside every error handler for a name it cannot
+IDNA-encode), a query that is not visible ASCII (HTTP/2 delivers any byte) is percent-encoded
+before Quart decodes it as strict UTF-8, and Werkzeug never redirects (its merging of doubled
+slashes answered `/v1/models/%2Fm` with a 308 to another model's URL and an HTML body).
 """
 
 from __future__ import annotations
@@ -11,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import Response, request
+from quart.wrappers import BaseRequestWebsocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
+from werkzeug.routing import MapAdapter, PathConverter
 
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
@@ -38,7 +48,7 @@ def create_admin_app(
     Quart's default (60 s) applies to the whole streamed body and would cut long completions
     mid-stream (docs/decisions.md, H2).
     """
-    app = QuartTrio("stargate")
+    app = _AdminApp("stargate")
     app.config["RESPONSE_TIMEOUT"] = None
 
     @app.errorhandler(HTTPException)
@@ -93,7 +103,7 @@ def create_admin_app(
 
     if accept_openai_requests:
 
-        @app.get("/v1/models/<path:model_id>")
+        @app.get("/v1/models/<model_id:model_id>")
         async def retrieve_model(model_id: str) -> tuple[dict[str, Any], int]:
             """One model, as OpenAI's `models.retrieve()` reads it, or OpenAI's 404."""
             if routing.list_models(None, [model_id]):
@@ -114,6 +124,64 @@ def create_admin_app(
             return {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
 
     return app
+
+
+class _ModelIdConverter(PathConverter):
+    """A model id: the rest of the path, slashes included, even a leading one (`/v1/models/%2Fm`
+    is the id `/m`, which an OpenAI SDK sends for it; Werkzeug's `path` refuses a leading slash,
+    so that was a 404 without the model's error document)."""
+
+    part_isolating = False  # Werkzeug infers it from a `/` in `regex`; it spans segments
+    regex = ".+"
+
+
+class _AdminApp(QuartTrio):
+    """QuartTrio with the edges of the request target made answers (module docstring)."""
+
+    def __init__(self, import_name: str) -> None:
+        super().__init__(import_name)
+        # No redirects, before any rule exists (rules take the map's setting when added): no
+        # merging of doubled slashes, and no rule ends with `/`, so `strict_slashes` redirects
+        # nothing either (turning it off would serve `/healthz/` as `/healthz`, not a 404).
+        self.url_map.merge_slashes = False
+        self.url_map.converters["model_id"] = _ModelIdConverter
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] == "http":
+            query = scope["query_string"]
+            if not all(0x21 <= byte <= 0x7E for byte in query):
+                scope = {**scope, "query_string": _percent_encode(query)}
+        await super().__call__(scope, receive, send)
+
+    def create_url_adapter(self, request: BaseRequestWebsocket | None) -> MapAdapter | None:
+        """Bound without the request's `Host`: the rules match paths only (no host matching, no
+        subdomains, no external URLs), and Werkzeug's IDNA encoding of the host raised `BadHost`
+        (a label over 63 characters, an empty label) before any error handler could answer."""
+        if request is None:
+            return super().create_url_adapter(None)
+        return self.url_map.bind(
+            "localhost",
+            request.root_path,
+            url_scheme=request.scheme,
+            default_method=request.method,
+            path_info=request.path,
+            query_args=request.query_string.decode("latin-1"),
+        )
+
+    async def make_default_options_response(self) -> Response:
+        """Quart's automatic `OPTIONS` answer (an empty 200 with `allow`), as `text/plain`: its
+        default is `text/html` (docs/clients.md, "Paths": never HTML)."""
+        response = await super().make_default_options_response()
+        response.mimetype = "text/plain"
+        return response
+
+
+def _percent_encode(query: bytes) -> bytes:
+    """`query` with every byte outside visible ASCII written as `%XX`, as an HTTP/1.1 client must
+    send it; Werkzeug then leaves what is not UTF-8 percent-encoded in `request.args`."""
+    return b"".join(bytes((byte,)) if 0x21 <= byte <= 0x7E else b"%%%02X" % byte for byte in query)
 
 
 def _openai_model(routing: RoutingState, model_id: str) -> dict[str, Any]:

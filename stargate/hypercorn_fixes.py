@@ -1,7 +1,7 @@
 """Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down, or that keep
 connections open after HTTP says they end.
 
-`apply()` installs the first six once, when `stargate/serving.py` is imported; the last one wraps
+`apply()` installs the first seven once, when `stargate/serving.py` is imported; the last one wraps
 each served app (`complete_response_before_disconnect`, applied by `serving.serve_asgi`). Each
 fix is small, targeted at one upstream issue, and covered by a test that fails without it. What a
 client can expect as a result is in docs/http-serving.md.
@@ -39,6 +39,16 @@ client can expect as a result is in docs/http-serving.md.
   request that hit the limit included, then fails. The fix sends GOAWAY naming the last stream it
   will serve, finishes the streams up to it, refuses later ones with REFUSED_STREAM, and closes
   the connection once they are done.
+* A send racing the connection's close: Hypercorn's trio server serialises its socket writes
+  with a lock, but `TCPServer._close` half-closes the socket (`send_eof`) outside it. A client
+  that closes its connection once it has read an answer given before its request body was
+  complete (the 408 for a stalled body, or any answer made without reading the body) makes the
+  reading task close the connection while the app's task is still sending the end of that
+  answer, and trio refuses the concurrent send with `BusyResourceError`: "Error in ASGI
+  Framework" with a traceback, although the client had its answer (nearly every time with 32
+  stalled bodies at once, tests/unit/test_http_limits.py). Only that close writes outside the
+  lock, so the error means the connection is closing: the send is handled like one on a closed
+  connection.
 * `leave(config)` is not a fix but uses the rotation: during a shutdown's leave phase it tells
   every client of a listener to move on (docs/rolling-restarts.md).
 * Responses complete before `http.disconnect` (`complete_response_before_disconnect`): Hypercorn
@@ -95,6 +105,7 @@ def apply() -> None:
     _fix_back_pressure()
     _fix_stream_lifecycle()
     _contain_connection_failures()
+    _fix_send_during_close()
 
 
 # --- pgjones/hypercorn#329, refused streams, GOAWAY rotation: what the connection receives -------
@@ -420,6 +431,22 @@ def _contain_connection_failures() -> None:
                 await self.stream.aclose()
 
     TCPServer.run = run  # type: ignore[method-assign]
+
+
+def _fix_send_during_close() -> None:
+    original_protocol_send = TCPServer.protocol_send
+
+    async def protocol_send(self: TCPServer, event: IOEvent) -> None:
+        try:
+            await original_protocol_send(self, event)
+        except trio.BusyResourceError:
+            # Sends hold `send_lock`; only `_close`'s `send_eof` does not: the connection is
+            # closing under this send, as if it had already closed (the original's handling).
+            if not isinstance(event, RawData):
+                raise
+            await self.protocol.handle(Closed())
+
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
 
 
 def _peer(stream: object) -> str:

@@ -244,7 +244,7 @@ class MockBackend:
             try:
                 json.loads(body)
                 content_type = _JSON
-            except ValueError:
+            except (ValueError, RecursionError):
                 content_type = _TEXT
         custom = [
             (name.encode("latin-1"), value.encode("latin-1"))
@@ -289,7 +289,7 @@ class MockBackend:
         if scope["method"] == "POST":
             try:
                 payload = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):  # see _generate
                 message = "the test-control body is not valid JSON"
                 await self._json(scope, send, 400, shapes.error_body(message))
                 return
@@ -352,7 +352,9 @@ class MockBackend:
         except RequestError as error:
             await self._json(scope, send, 400, shapes.error_body(str(error)))
             return
-        except ValueError:
+        except (ValueError, RecursionError):
+            # RecursionError: JSON nested deeper than the interpreter's stack (a few thousand
+            # `[`) is invalid input like any other, a 400 and not a 500 with a traceback.
             await self._json(scope, send, 400, shapes.error_body("the body is not valid JSON"))
             return
         drop_after: int | None = None

@@ -10,11 +10,12 @@ RFC 9112 §3.2.2) is served as its path; a proxy path written with percent-encod
 (`/v1/chat%2Fcompletions`) is refused with 400, so a path rule in front of the replica cannot be
 bypassed by an encoding the rule did not expect.
 
-Per request: read the body (bounded), validate the header contract, route and attempt, then
-stream the upstream response as it arrives. A client that goes away cancels everything in flight
-for it, upstream connection included; an upstream that fails mid-body ends the client's body
-without its final chunk (the connection is closed), so the client can tell, and is logged as one
-WARNING line with its fields and no traceback (docs/logging.md).
+Per request: validate the header contract, read the body (bounded; in the OpenAI form, whose
+model is in the body, first), route and attempt, then stream the upstream response as it
+arrives. A client that goes away cancels everything in flight for it, upstream connection
+included; an upstream that fails mid-body ends the client's body without its final chunk (the
+connection is closed), so the client can tell, and is logged as one WARNING line with its fields
+and no traceback (docs/logging.md).
 """
 
 from __future__ import annotations
@@ -112,19 +113,19 @@ class ProxyApp:
         self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend, openai_form: bool
     ) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]  # ASGI: names already lower-case
+        limit = self._config.max_replay_body_bytes
         try:
-            body = await _read_body(receive, headers, self._config.max_replay_body_bytes)
-            request = parse_proxy_request(
-                scope["path"],
-                scope.get("query_string", b""),
-                headers,
-                body,
-                retry_budget_header=self._retry_budget_header,
-                accept_openai_requests=self._config.accept_openai_requests,
-                client=scope.get("client"),
-                scheme=scope["scheme"],
-            )
-            spec = self._forwarder.resolve_algorithm(request)
+            # docs/data-plane.md, Header contract: every header check comes before the 413. The
+            # header form needs no body for them, so the body is read last; the OpenAI form takes
+            # its model (and the estimate of its tokens) from the body, so it reads it first.
+            if openai_form:
+                body = await _read_body(receive, headers, limit)
+                request = self._parse(scope, headers, body)
+                spec = self._forwarder.resolve_algorithm(request)
+            else:
+                request = self._parse(scope, headers, b"")  # the header form reads no body
+                spec = self._forwarder.resolve_algorithm(request)
+                body = await _read_body(receive, headers, limit)
         except ContractError as error:
             self._count_local(scope["path"], openai_form, error)
             await _respond(send, error, openai_form)
@@ -152,6 +153,20 @@ class ProxyApp:
             nursery.cancel_scope.cancel()
         if not completed:
             raise _ClientGone
+
+    def _parse(
+        self, scope: ASGIScope, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> ProxyRequest:
+        return parse_proxy_request(
+            scope["path"],
+            scope.get("query_string", b""),
+            headers,
+            body,
+            retry_budget_header=self._retry_budget_header,
+            accept_openai_requests=self._config.accept_openai_requests,
+            client=scope.get("client"),
+            scheme=scope["scheme"],
+        )
 
     async def _acquire(self, request: ProxyRequest) -> Grant | None:
         """Hold a request for a pooled model until its member is resident (None: not pooled).

@@ -326,6 +326,9 @@ async def test_bad_requests_are_openai_errors(mock: Any) -> None:
         ("/v1/completions", {"model": "mock-model"}),
         ("/v1/responses", {"model": "mock-model", "input": 3}),
         ("/v1/embeddings", {"model": "mock-model"}),
+        # Deeper than the interpreter's stack: json.loads raised RecursionError, a 500.
+        ("/v1/chat/completions", b"[" * 20_000 + b"]" * 20_000),
+        ("/v1/embeddings", b'{"model":' * 5_000 + b'"mock-model"' + b"}" * 5_000),
     ]
     for path, body in cases:
         if isinstance(body, bytes):
@@ -541,6 +544,7 @@ async def test_reset_restores_cli_defaults_and_zeroes_counters() -> None:
     "body",
     [
         b"{oops",
+        b"[" * 20_000 + b"]" * 20_000,  # RecursionError in json.loads: was a 500
         b"[]",
         b'{"unknown": 1}',
         b'{"tokens": 0}',

@@ -131,3 +131,37 @@ async def test_debug_state_is_404_like_any_unknown_path_without_debug_endpoints(
         assert response.mimetype == "text/plain"
     assert (await client.get("/healthz")).status_code == 200
     assert await (await client.get("/v1/models")).get_json() == {"model_ids": ["b"]}
+
+
+async def test_paths_are_matched_as_sent_never_redirected() -> None:
+    """Werkzeug neither merges doubled slashes (a 308 with HTML, to another path) nor adds or
+    strips a trailing slash; a model id is everything after `/v1/models/`
+    (stargate/admin_app.py)."""
+    app = create_admin_app(
+        Readiness(WarmupConfig(0)),
+        _routing_with({None: ["org/m", "/lead"]}),
+        stargate_id="r",
+        accept_openai_requests=True,
+    )
+    client = app.test_client()
+    for path in ("/v1//models", "/healthz/", "/v1/models/"):
+        response = await client.get(path)
+        assert (response.status_code, await response.get_data()) == (404, b""), path
+        assert response.mimetype == "text/plain"
+    for model in ("org/m", "/lead"):
+        response = await client.get("/v1/models/" + model.replace("/", "%2F"))
+        assert response.status_code == 200
+        assert (await response.get_json())["id"] == model
+    response = await client.get("/v1/models/%2Fm")
+    assert response.status_code == 404
+    assert (await response.get_json())["error"]["code"] == "model_not_found"
+
+
+async def test_options_is_an_empty_text_plain_200_with_allow() -> None:
+    client = create_admin_app(
+        Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"
+    ).test_client()
+    response = await client.options("/healthz")
+    assert (response.status_code, await response.get_data()) == (200, b"")
+    assert response.mimetype == "text/plain"
+    assert set(response.headers["allow"].split(", ")) == {"GET", "HEAD", "OPTIONS"}

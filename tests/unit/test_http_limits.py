@@ -1,6 +1,7 @@
 """The HTTP listener's client limits (`stargate/http_limits.py`): the admission rule and the
 descriptor arithmetic (pure), the connection count with its reserve, the open-file limit, and the
-request-body deadline on a fake ASGI app (virtual time).
+request-body deadline on a fake ASGI app (virtual time), and once on a real Hypercorn listener
+(many stalled bodies at once).
 
 End to end: tests/e2e/test_client_limits.py.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +21,8 @@ from prometheus_client import CollectorRegistry
 from trio.testing import MockClock
 
 from stargate import http_limits
-from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend, answer_lifespan
+from stargate.config import ListenAddress
 from stargate.http_limits import (
     CONNECTION_RESERVE,
     Admission,
@@ -28,11 +31,13 @@ from stargate.http_limits import (
     bare_refusal,
     check_open_file_limit,
     descriptors_needed,
+    limit_connections,
     limit_request_body_time,
     raise_open_file_limit,
 )
 from stargate.metrics import HttpMetrics
 from stargate.proxy.contract import limit_answer
+from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 
 # --- admission and descriptors (pure) ------------------------------------------------------------
 
@@ -354,6 +359,66 @@ async def test_the_queue_to_the_app_keeps_moving_while_the_408_is_sent(
             exchange.scope, exchange.receive, hypercorn_send
         )
     assert exchange.status == 408
+
+
+# Declares 20 bytes, sends 2.
+STALLED = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 20\r\n\r\n{}"
+
+
+async def _lifespan_and_reading_app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+    """What the HTTP listener serves, reduced: the lifespan protocol, and an app that reads the
+    whole body before answering."""
+    if scope["type"] == "lifespan":
+        await answer_lifespan(receive, send)
+        return
+    await _ReadingApp()(scope, receive, send)
+
+
+async def _stalled_client(port: int) -> bytes:
+    """Send `STALLED`, read the answer's head (the 408 has no body), and close at once."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(STALLED)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some(65536)
+            if not data:
+                break
+            head += data
+    return head.partition(b"\r\n")[0]
+
+
+async def test_many_stalled_bodies_at_once_are_answered_408_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a real Hypercorn listener: a client closing as soon as it has its 408 made the reading
+    task close the connection (`send_eof`) while the answer's last send was under way, and trio
+    refused that send with `BusyResourceError`, logged as "Error in ASGI Framework" with a
+    traceback (fixed in stargate/hypercorn_fixes.py, `_fix_send_during_close`). Four rounds of
+    32 stalled bodies hit it nearly every round without the fix."""
+    caplog.set_level(logging.DEBUG)
+    sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = hypercorn_config(2.0)
+    limit_connections(config, ConnectionLimit(0))
+    app = limit_request_body_time(_lifespan_and_reading_app, 0.2)
+    stop = trio.Event()
+    heads: list[bytes] = []
+
+    async def client() -> None:
+        heads.append(await _stalled_client(port))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_asgi, app, sock, config, stop.wait)
+            for _ in range(4):
+                async with trio.open_nursery() as clients:
+                    for _ in range(32):
+                        clients.start_soon(client)
+            stop.set()
+    assert set(heads) == {b"HTTP/1.1 408 "}, Counter(heads)
+    logged = [record.getMessage() for record in caplog.records if record.exc_info]
+    assert not logged, logged
 
 
 async def test_a_client_that_leaves_is_not_a_timeout(autojump_clock: MockClock) -> None:

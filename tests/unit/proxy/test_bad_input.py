@@ -27,10 +27,12 @@ header and request-target rules) or HTTP/2 (h2's, RFC 9113 §8.2.1), and its hea
 and target obey that transport's rules. Raw bytes on a real socket are in
 tests/e2e/test_bad_input.py.
 
-The property found four 500s, fixed in stargate/proxy/contract.py (examples kept below), and
-records one it cannot fix here as a strict xfail. The last tests inject faults (a forwarder that
-raises, a Rust-form 400 with a body, a request that demotes its backend, an HTML 404) and check
-that the property reports each.
+The property found four 500s, fixed in stargate/proxy/contract.py, and in the admin app two more
+(a `Host` Werkzeug cannot IDNA-encode, a query that is not UTF-8), an HTML redirect for doubled
+slashes and an HTML `OPTIONS` answer, fixed in stargate/admin_app.py, plus a 413 that the
+documented validation order makes a 400, fixed in stargate/proxy/app.py (examples kept below).
+The last tests inject faults (a forwarder that raises, a Rust-form 400 with a body, a request
+that demotes its backend, an HTML 404) and check that the property reports each.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from urllib.parse import unquote
 import h11
 import pytest
 import trio
-from hypothesis import HealthCheck, Phase, assume, given, note, settings
+from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
@@ -861,8 +863,7 @@ def check_admin_answer(request: Request, answer: Answer) -> None:
             assert answer.body == b""
     if answer.status == 405:
         assert answer.header(b"allow")
-    if request.method != "OPTIONS":  # see test_options_is_not_html below
-        assert b"text/html" not in (answer.header(b"content-type") or b"")
+    assert b"text/html" not in (answer.header(b"content-type") or b"")
 
 
 def check_forwarded(request: Request, received: list[Received], openai_form: bool) -> None:
@@ -912,28 +913,6 @@ PHASES = tuple(Phase)
 NO_SHRINK = (Phase.generate,)  # the fault-injection tests only need a failure, not the smallest
 
 
-def known_unfixed(request: Request) -> str | None:
-    """Which known, unfixed bug `request` would hit (each is pinned by a strict xfail below), so
-    the property can set it aside; None for the rest. All are in the admin app (Quart/Werkzeug),
-    outside this change's files."""
-    if request.route is not None:
-        return None
-    path, _, query = request.target.partition(b"?")
-    try:
-        query.decode()
-    except UnicodeDecodeError:
-        return "a query that is not UTF-8"  # test_admin_app_survives_a_query_that_is_not_utf8
-    host = first(request.headers, b"host")
-    if host is not None:
-        try:
-            host.decode("latin-1").lower().partition(":")[0].encode("idna")
-        except UnicodeError:
-            return "a Host Werkzeug cannot IDNA-encode"  # test_a_bad_host_header_is_not_a_500
-    if b"//" in unquote(path.decode("ascii")).lstrip("/").encode():
-        return "doubled slashes"  # test_doubled_slashes_are_not_an_html_redirect
-    return None
-
-
 def run_property(
     accept_openai_requests: bool, examples: int, focus: Focus = "anything", *, shrink: bool = True
 ) -> Counter[int]:
@@ -950,7 +929,6 @@ def run_property(
     )
     @given(request=requests(focus))
     def property_holds(request: Request) -> None:
-        assume(known_unfixed(request) is None)
         with no_tracebacks_logged():
             statuses[trio.run(check_request, accept_openai_requests, request)] += 1
 
@@ -1095,46 +1073,35 @@ def test_a_body_model_an_http_header_cannot_carry_is_a_400_invalid_body(model: s
     assert answer.status == 400 and _code(answer) == "invalid_body" and not received
 
 
-# Found, not fixed here (the code is outside this change's files): strict xfails that pass once
-# the bug is fixed.
+# Found by the property in the admin app (Quart and Werkzeug), fixed in stargate/admin_app.py.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BaseExceptionGroup,
-    reason="Quart decodes the query string as strict UTF-8 (quart/routing.py bind_to_request), "
-    "and HTTP/2 delivers any byte but NUL, CR and LF in :path: `GET /healthz?\\x80` over h2 "
-    "raises UnicodeDecodeError in the admin app, a 500 with a traceback "
-    "(stargate/admin_app.py or the fallback in stargate/proxy/app.py)",
-)
 def test_admin_app_survives_a_query_that_is_not_utf8() -> None:
+    """Quart decodes the query string as strict UTF-8 (quart/routing.py, bind_to_request), and
+    HTTP/2 delivers any byte but NUL, CR and LF in :path: `GET /healthz?\\x80` over h2 raised
+    UnicodeDecodeError, a 500 with a traceback."""
     request = Request("h2", "GET", b"/healthz?\x80", [], b"", (), None, False, False)
     answer, _ = _answer(False, request)
     assert answer.status == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BaseExceptionGroup,
-    reason="Werkzeug's Map.bind IDNA-encodes the Host header and raises BadHost when it cannot "
-    "(a label over 63 characters, an empty label): `GET /healthz` with `Host: aaa...a` (64 "
-    "letters) escapes the admin app's error handler, a 500 with a traceback, over HTTP/1.1 too "
-    "(stargate/admin_app.py; tests/e2e/test_bad_input.py shows it on a real replica)",
-)
+def test_a_query_that_is_not_utf8_stays_percent_encoded_in_the_model_filter() -> None:
+    request = Request("h2", "GET", b"/v1/models?model_ids=\x80", [], b"", (), None, False, False)
+    answer, _ = _answer(False, request)
+    assert answer.status == 200 and json.loads(answer.body) == {"model_ids": []}
+
+
 @pytest.mark.parametrize("host", [b"a" * 64, b"a..b", b"x" * 300])
 def test_a_bad_host_header_is_not_a_500(host: bytes) -> None:
+    """Werkzeug's Map.bind IDNA-encodes the Host header and raises BadHost when it cannot (a
+    label over 63 characters, an empty label): `GET /healthz` with `Host: aaa...a` (64 letters)
+    escaped the admin app's error handler, a 500 with a traceback, over HTTP/1.1 too
+    (tests/e2e/test_bad_input.py shows it on a real replica)."""
     request = Request("h11", "GET", b"/healthz", [(b"host", host)], b"", (), None, False, False)
     answer, _ = _answer(False, request)
     assert answer.status in (200, 400)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Werkzeug merges doubled slashes by redirecting: `GET /v1//models` (and, with "
-    "--accept-openai-requests, `GET /v1/models/%2Fm`, the model id '/m') is a 308 with an HTML "
-    "body to another path (/v1/models/m: another model), not a documented answer; docs/clients.md "
-    "says framework answers are never HTML (stargate/admin_app.py: url_map.merge_slashes)",
-)
 @pytest.mark.parametrize(
     ("accept_openai_requests", "target"),
     [(False, b"/v1//models"), (True, b"/v1//models"), (True, b"/v1/models/%2Fm")],
@@ -1142,34 +1109,47 @@ def test_a_bad_host_header_is_not_a_500(host: bytes) -> None:
 def test_doubled_slashes_are_not_an_html_redirect(
     accept_openai_requests: bool, target: bytes
 ) -> None:
+    """Werkzeug merged doubled slashes by redirecting: `GET /v1//models` (and, with
+    --accept-openai-requests, `GET /v1/models/%2Fm`, the model id '/m') was a 308 with an HTML
+    body to another path (/v1/models/m: another model), not a documented answer; docs/clients.md
+    says framework answers are never HTML."""
     request = Request("h11", "GET", target, [], b"", (), None, False, False)
     answer, _ = _answer(accept_openai_requests, request)
     assert answer.status in (200, 404)
     assert b"text/html" not in (answer.header(b"content-type") or b"")
+    if target.startswith(b"/v1/models/"):  # the model '/m' does not exist: OpenAI's 404
+        assert json.loads(answer.body)["error"]["code"] == "model_not_found"
+    else:
+        assert answer.body == b""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Quart's automatic OPTIONS answer is an empty 200 labelled text/html, against "
-    'docs/clients.md "Probes and framework errors are never HTML" (stargate/admin_app.py)',
-)
 def test_options_is_not_html() -> None:
+    """Quart's automatic OPTIONS answer was an empty 200 labelled text/html, against
+    docs/clients.md "Probes and framework errors are never HTML"."""
     request = Request("h11", "OPTIONS", b"/healthz", [], b"", (), None, False, False)
     answer, _ = _answer(False, request)
     assert answer.status == 200 and answer.body == b""
     assert b"text/html" not in (answer.header(b"content-type") or b"")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/data-plane.md (Header contract, validation order) puts the 413 for a declared "
-    "content-length above the limit after every header check, but stargate/proxy/app.py reads "
-    "the body first: a bad header with an oversized body is a 413, not the documented 400",
-)
+# Found by the property, fixed in stargate/proxy/app.py.
+
+
 def test_a_bad_header_is_a_400_even_when_the_declared_body_is_too_large() -> None:
+    """docs/data-plane.md (Header contract, validation order) puts the 413 for a declared
+    content-length above the limit after every header check, but the body was read first: a
+    bad header with an oversized body was a 413, not the documented 400."""
     headers = [*VALID_BASE[::2], (b"x-input-tokens", b"-1"), (b"content-length", b"99999")]
     answer, _ = _answer(False, _request(headers, b"{}"))
     assert answer.status == 400
+
+
+def test_the_openai_form_reads_its_body_first() -> None:
+    """In the OpenAI form the model is in the body, so a body above the limit is a 413 before
+    the headers are checked (docs/data-plane.md, Header contract)."""
+    headers = [(b"x-input-tokens", b"-1"), (b"content-length", b"99999")]
+    answer, _ = _answer(True, _request(headers, b"{}"))
+    assert answer.status == 413 and _code(answer) == "request_too_large"
 
 
 # ---- the property must be able to fail -----------------------------------------------------------
