@@ -26,6 +26,7 @@ from stargate.clitools import (
 )
 from stargate.config import (
     DEFAULT_MAX_CLIENT_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_BACKEND,
     DEFAULT_METRICS_LISTEN_ADDR,
     METRICS_FLAGS_CONFLICT,
     ActivatorConfig,
@@ -375,6 +376,16 @@ def main() -> None:
     help="Timeout of one TCP (and TLS) connect to a backend.",
 )
 @option(
+    "--proxy-max-connections-per-backend",
+    envvar="STARGATE_PROXY_MAX_CONNECTIONS_PER_BACKEND",
+    type=POSITIVE_INT,
+    default=DEFAULT_MAX_CONNECTIONS_PER_BACKEND,
+    help="Upstream connections one backend may have open, so concurrent requests and streams "
+    "to it. Requests go to a backend below its cap first; when every candidate is at its cap "
+    "a request waits up to 5 s for a free connection, then gets 503. Engines batch hundreds of "
+    "sequences; each connection is one descriptor.",
+)
+@option(
     "--accept-openai-requests",
     envvar="STARGATE_ACCEPT_OPENAI_REQUESTS",
     is_flag=True,
@@ -502,6 +513,7 @@ def serve(
     proxy_retry_budget_header: str,
     proxy_response_header_timeout_ms: int,
     proxy_connect_timeout_ms: int,
+    proxy_max_connections_per_backend: int,
     accept_openai_requests: bool,
     lb_config_path: Path | None,
     upstream_ca_file: Path | None,
@@ -569,6 +581,7 @@ def serve(
                 retry_budget_header=proxy_retry_budget_header.strip().lower() or None,
                 response_header_timeout_ms=proxy_response_header_timeout_ms,
                 connect_timeout_ms=proxy_connect_timeout_ms,
+                max_connections_per_backend=proxy_max_connections_per_backend,
                 accept_openai_requests=accept_openai_requests,
                 lb_config_path=lb_config_path,
                 upstream_ca_file=upstream_ca_file,

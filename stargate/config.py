@@ -15,6 +15,7 @@ from stargate.addresses import AddressError, AddressProblem, format_host_port, p
 
 __all__ = [
     "DEFAULT_MAX_CLIENT_CONNECTIONS",
+    "DEFAULT_MAX_CONNECTIONS_PER_BACKEND",
     "DEFAULT_METRICS_LISTEN_ADDR",
     "METRICS_FLAGS_CONFLICT",
     "ActivatorConfig",
@@ -204,9 +205,18 @@ class ControlPlaneConfig:
             )
 
 
+DEFAULT_MAX_CONNECTIONS_PER_BACKEND = 1024
+"""`--proxy-max-connections-per-backend`: upstream connections (so concurrent requests and
+streams) one backend may have open. Engines (vLLM, SGLang, TensorRT-LLM) batch hundreds of
+sequences at once, and a request holds its connection for its whole stream, so the cap must not
+sit below what one engine serves; it only guards the replica's descriptors against a runaway
+(docs/data-plane.md, "Per-backend connections")."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """The data plane: retries, replay, upstream timeouts, load balancing, OpenAI mode."""
+    """The data plane: retries, replay, upstream timeouts and connections, load balancing,
+    OpenAI mode."""
 
     max_connect_retries: int = 2
     max_request_retries: int = 2
@@ -218,8 +228,14 @@ class ProxyConfig:
     accept_openai_requests: bool = False
     lb_config_path: Path | None = None
     upstream_ca_file: Path | None = None
+    max_connections_per_backend: int = DEFAULT_MAX_CONNECTIONS_PER_BACKEND
 
     def __post_init__(self) -> None:
+        if self.max_connections_per_backend < 1:
+            raise ConfigError(
+                "--proxy-max-connections-per-backend must be at least 1, got "
+                f"{self.max_connections_per_backend}"
+            )
         for name in ("max_connect_retries", "max_request_retries", "max_replay_body_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', ' ')} must not be negative")

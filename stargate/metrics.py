@@ -26,12 +26,15 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from stargate.asgi import answer_lifespan
 
 __all__ = [
+    "BACKEND_CONNECTION_STATES",
     "SERIES_GRACE_SECONDS",
     "SERIES_SWEEP_INTERVAL_SECONDS",
+    "BackendConnections",
     "DepartedSeriesSweep",
     "FleetLabels",
     "HttpMetrics",
@@ -261,6 +264,56 @@ class HttpMetrics:
         )
 
 
+BACKEND_CONNECTION_STATES = ("idle", "in_use", "waiting")
+
+BackendConnectionRow = tuple[str, int, int, int]
+"""One backend's `(inference_server_id, in_use, idle, waiting)`."""
+
+
+class BackendConnections:
+    """`proxy_backend_connections{inference_server_id,state}`: each registered backend's upstream
+    connections, computed at scrape time (docs/metrics.md, "Upstream connections per backend").
+
+    `in_use` (connections carrying a request or a stream), `idle` (kept alive for the next one)
+    and `waiting` (requests queued for a connection because the backend is at
+    `--proxy-max-connections-per-backend`). A collector rather than a gauge: the values are the
+    connection pool's counters, read when `/metrics` is scraped, so nothing is written per
+    request. The rows are set on the trio thread (`update`, from the metrics app's
+    `before_render` hook) and only read by the render thread, which never touches the pool or
+    the routing state. They list live registrations only, so a departed backend's series leave
+    with it, at the first scrape after it left: gauges of a backend that is gone have no last
+    increment to keep for a grace period.
+    """
+
+    DOC = (
+        "Upstream connections per registered backend: in_use, idle (kept alive), and waiting "
+        "(requests queued for a connection at --proxy-max-connections-per-backend)."
+    )
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self.name = f"{prefix}proxy_backend_connections"
+        self._rows: tuple[BackendConnectionRow, ...] = ()
+        registry.register(self)
+
+    def update(self, rows: Iterable[BackendConnectionRow]) -> None:
+        """Replace every row (on the trio thread; the render thread reads the new tuple whole)."""
+        self._rows = tuple(rows)
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self.name, self.DOC, labels=("inference_server_id", "state"))
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> list[Metric]:
+        family = self._family()
+        for server_id, in_use, idle, waiting in self._rows:
+            family.add_metric((server_id, "idle"), idle)
+            family.add_metric((server_id, "in_use"), in_use)
+            family.add_metric((server_id, "waiting"), waiting)
+        return [family]
+
+
 class Metrics:
     """All metric families of one replica."""
 
@@ -276,6 +329,7 @@ class Metrics:
             labelnames=("model", "routing_key"),
             registry=registry,
         )
+        self.backend_connections = BackendConnections(registry, prefix)
 
     def set_active_inference_servers(self, routing_key: str | None, model: str, count: int) -> None:
         """Publish one target's active backend count (the series stays at 0 when it empties)."""
@@ -459,6 +513,11 @@ class DepartedSeriesSweep:
     def grace_seconds(self) -> float:
         return self._sweeper.grace_seconds
 
+    @property
+    def tracked(self) -> int:
+        """Series of departed backends and targets whose grace period is running."""
+        return self._sweeper.tracked
+
     def sweep(self, fleet: LiveFleet, now: float) -> int:
         """Remove the series whose grace period ran out; return how many were removed."""
         pinned = self._pinned
@@ -541,8 +600,14 @@ ASGISend = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 def metrics_asgi_app(
     registry: CollectorRegistry,
+    *,
+    before_render: Callable[[], None] | None = None,
 ) -> Callable[[ASGIScope, ASGIReceive, ASGISend], Awaitable[None]]:
     """A minimal ASGI app serving `GET /metrics` from `registry`, and nothing else.
+
+    `before_render` runs on the trio thread before each render: where values computed at scrape
+    time from loop-owned state are read (`BackendConnections`), since the render thread must not
+    touch that state.
 
     It answers the lifespan protocol itself: Hypercorn's trio worker fails at start-up on an app
     that ignores lifespan (docs/decisions.md, H4), which `prometheus_client.make_asgi_app` does.
@@ -565,6 +630,8 @@ def metrics_asgi_app(
         elif scope["method"] not in ("GET", "HEAD"):
             status, headers, body = 405, [(b"allow", b"GET, HEAD")], b""
         else:
+            if before_render is not None:
+                before_render()
             body = await trio.to_thread.run_sync(_render, registry, limiter=render_limiter)
             status = 200
             headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]

@@ -20,7 +20,7 @@ import ipaddress
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -100,7 +100,7 @@ from stargate.proxy.contract import limit_answer
 from stargate.proxy.forwarder import UNREGISTERED, Forwarder
 from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.readiness import Readiness
-from stargate.routing import RoutingState, RoutingTargetKey
+from stargate.routing import Registration, RoutingState, RoutingTargetKey
 from stargate.serving import (
     SHUTDOWN_SIGNALS,
     ASGIApp,
@@ -162,6 +162,7 @@ class Replica:
                 connect_timeout=proxy.connect_timeout_ms / 1000,
                 response_head_timeout=proxy.response_header_timeout_ms / 1000,
                 ca_file=None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file),
+                max_connections_per_origin=proxy.max_connections_per_backend,
             )
         )
         self.forwarder = Forwarder(
@@ -171,6 +172,7 @@ class Replica:
             _lb_config(proxy),
             self.metrics.proxy,
             on_dispatch_failure=self._invalidate_pool_resident,
+            capacity=self.pool,
         )
         self.member_availability = MemberAvailability()
         self.pools = _pool_config(config.activator)
@@ -368,7 +370,9 @@ class Replica:
                     ),
                     (
                         "metrics server",
-                        metrics_asgi_app(self.registry),
+                        metrics_asgi_app(
+                            self.registry, before_render=self._refresh_backend_connections
+                        ),
                         metrics_sock,
                         listener_config(rotate_connections=True),
                     ),
@@ -535,17 +539,40 @@ class Replica:
             self.pool.close_expired()
 
     async def _sweep_departed_series(self) -> None:
-        """Remove the metric series of backends and targets that left the fleet a grace period
+        """Every sweep interval, release what the replica keeps for backends that left.
+
+        Remove the metric series of backends and targets that left the fleet a grace period
         ago, so `/metrics` (its size, and the time to render it) follows the live fleet rather
-        than every Pylon that ever registered."""
+        than every Pylon that ever registered; and `_release_departed_backends`."""
         interval = sweep_interval(self.series_sweep.grace_seconds)
         while True:
             await trio.sleep(interval)
+            registrations = self.routing.registrations()
             fleet = LiveFleet.of(
                 (r.identity.inference_server_id, r.identity.routing_key, r.models)
-                for r in self.routing.registrations()
+                for r in registrations
             )
             self.series_sweep.sweep(fleet, trio.current_time())
+            self._release_departed_backends(registrations)
+
+    def _release_departed_backends(self, live: Iterable[Registration]) -> None:
+        """Drop the per-backend state no `live` registration needs any more, so a replica whose
+        backends come and go returns to its baseline (docs/data-plane.md, "Per-backend
+        connections"): the idle upstream connections of backends that left, and with them
+        their origins (each a descriptor and a few KB, otherwise kept until `idle_expiry`), and
+        the forwarder's round-robin counters and balancers of clusters and targets that are
+        gone. Connections still carrying a stream are left to finish."""
+        self.pool.close_idle_except(r.identity.url for r in live)
+        self.forwarder.forget_departed()
+
+    def _refresh_backend_connections(self) -> None:
+        """Before each `/metrics` render: every registered backend's upstream connections."""
+        rows = []
+        for registration in self.routing.registrations():
+            load = self.pool.load(registration.identity.url)
+            server_id = registration.identity.inference_server_id
+            rows.append((server_id, load.in_use, load.idle, load.waiting))
+        self.metrics.backend_connections.update(rows)
 
     async def _finish_drain(self) -> None:
         """End the servers once nothing is in flight; their remaining connections are idle."""

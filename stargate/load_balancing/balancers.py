@@ -334,12 +334,19 @@ class PowerOfN:
 
 
 def choose_backend(
-    cluster: ClusterSnapshot, counter: int, failed_backend_ids: AbstractSet[str]
+    cluster: ClusterSnapshot,
+    counter: int,
+    failed_backend_ids: AbstractSet[str],
+    has_room: Callable[[BackendSnapshot], bool] | None = None,
 ) -> BackendSnapshot | None:
     """Round robin over the cluster's backends (stable id order) not yet failed by this request.
 
     `counter` is the cluster's shared selection counter, taken (then incremented) by the caller
     for every selection. None when every backend has failed: the caller then fails the cluster.
+
+    `has_room` (docs/data-plane.md, Per-backend connections): when given, the round robin runs
+    over the unfailed backends it accepts (those below their connection cap), and over every
+    unfailed backend only when it accepts none of them.
     """
     if failed_backend_ids:
         unfailed = [b for b in cluster.backends if b.inference_server_id not in failed_backend_ids]
@@ -347,6 +354,10 @@ def choose_backend(
         unfailed = list(cluster.backends)
     if not unfailed:
         return None
+    if has_room is not None:
+        roomy = [b for b in unfailed if has_room(b)]
+        if roomy:
+            unfailed = roomy
     return unfailed[counter % len(unfailed)]
 
 

@@ -19,6 +19,13 @@ for the target (its probe failed, its Pylon marked the model INACTIVE, or its re
 `backend_unroutable`, the routing state's listener). It then fails over like a transport failure,
 within the same connect-retry budget, instead of waiting out the head timeout on a backend the
 control plane has given up on (docs/stale-routes.md). Once the head has arrived nothing is cut.
+
+A backend with every connection of `--proxy-max-connections-per-backend` in use counts as full:
+while some candidate has a free connection, full clusters are left out of the balancer's choice
+and full backends out of the cluster's round robin; only when every candidate is full does a
+request queue on one, for at most the pool's acquire timeout, then 503 (docs/data-plane.md,
+"Per-backend connections"). The pool answers "full?" in O(1), and says in O(1) when nothing is,
+so the common case costs one attribute read.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -63,6 +72,7 @@ from stargate.proxy.retry import (
 from stargate.proxy.upstream import (
     ConnectError,
     ConnectionPool,
+    ConnectionPoolTimeout,
     UpstreamError,
     UpstreamResponse,
 )
@@ -76,6 +86,7 @@ from stargate.routing import (
 
 __all__ = [
     "UNREGISTERED",
+    "BackendCapacity",
     "Forwarded",
     "Forwarder",
     "HeadWaits",
@@ -136,6 +147,20 @@ class Forwarded:
 
 
 HeadWaitKey = tuple[Registration, RoutingTargetKey]
+
+
+class BackendCapacity(Protocol):
+    """Whether backends have a free upstream connection (docs/data-plane.md, Per-backend
+    connections): `ConnectionPool` is one. Both answers must be O(1)."""
+
+    @property
+    def any_full(self) -> bool:
+        """False when no backend is at its cap (then `has_free_slot` need not be asked)."""
+        ...
+
+    def has_free_slot(self, url: str) -> bool:
+        """A request to the backend at `url` would get a connection without waiting."""
+        ...
 
 
 class HeadWaits:
@@ -211,8 +236,12 @@ class Forwarder:
         *,
         rng: random.Random | None = None,
         on_dispatch_failure: Callable[[str], None] | None = None,
+        capacity: BackendCapacity | None = None,
     ) -> None:
         self._routing = routing
+        # Which backends are at their connection cap; the runtime passes the pool itself.
+        # Without it every backend counts as having room (no preference).
+        self._capacity = capacity
         # Called with the model id whenever an attempt ends without a response head (e.g. a
         # pool's resident died: its pool re-checks residency; docs/activator.md, Self-heal).
         self._on_dispatch_failure = on_dispatch_failure
@@ -227,7 +256,7 @@ class Forwarder:
         self._balancers = BalancerRegistry()
         self._metrics = metrics
         self._rng = rng or random.Random()
-        self._backend_counters: dict[tuple[Hashable, str], int] = {}
+        self._backend_counters: dict[tuple[RoutingTargetKey, str], int] = {}
         self.head_waits = HeadWaits()
 
     def forget_target(self, target: RoutingTargetKey) -> None:
@@ -235,6 +264,30 @@ class Forwarder:
         self._balancers.forget(target)
         for key in [key for key in self._backend_counters if key[0] == target]:
             del self._backend_counters[key]
+
+    def forget_departed(self) -> None:
+        """Housekeeping (the runtime's sweep): drop the round-robin counters of clusters that
+        left their target, and any balancer of a target with no backend left. A cluster leaving
+        a target that keeps other clusters does not empty it, so `forget_target` never sees
+        it; and a request that resumes after an await may touch a counter of a cluster that
+        left meanwhile. Visits every counter: not for the request path."""
+        routing = self._routing
+        for key in [key for key in self._backend_counters if not routing.has_cluster(*key)]:
+            del self._backend_counters[key]
+        for target in self._balancers.targets():
+            if isinstance(target, RoutingTargetKey) and not routing.active_backend_count(target):
+                self._balancers.forget(target)
+
+    @property
+    def retained(self) -> dict[str, int]:
+        """What the forwarder keeps between requests, by kind (tests and debugging): balancer
+        instances, cluster round-robin counters, (backend, target) pairs with an attempt
+        waiting for its head."""
+        return {
+            "balancers": self._balancers.instance_count(),
+            "cluster_counters": len(self._backend_counters),
+            "head_waits": self.head_waits.pairs,
+        }
 
     def backend_unroutable(self, registration: Registration, target: RoutingTargetKey) -> None:
         """The routing state's listener: this backend no longer serves `target`, so attempts
@@ -326,7 +379,11 @@ class Forwarder:
                     return LocalError(input_work_limit_exceeded(request.model_id))
             choice = (
                 self._balancers.choose(
-                    target, spec, clusters, routing_request, state.failed_clusters
+                    target,
+                    spec,
+                    clusters,
+                    routing_request,
+                    self._excluded_clusters(eligible, state),
                 )
                 if eligible
                 else None
@@ -355,6 +412,42 @@ class Forwarder:
                 return outcome
             # None: the cluster failed for this request; choose again with it excluded.
 
+    def _excluded_backends(self, state: Attempts) -> AbstractSet[str]:
+        """Backends no attempt of this request may use: those it failed, and the demoted ones."""
+        if self._routing.any_demoted:
+            return state.failed_backends | self._routing.demoted
+        return state.failed_backends
+
+    def _has_room(self, backend: BackendSnapshot) -> bool:
+        """The backend is below its connection cap (a request gets a connection at once)."""
+        return self._capacity is None or self._capacity.has_free_slot(backend.url)
+
+    @property
+    def _any_full(self) -> bool:
+        """Some backend is at its connection cap: only then is `_has_room` worth asking."""
+        return self._capacity is not None and self._capacity.any_full
+
+    def _excluded_clusters(
+        self, eligible: Sequence[ClusterSnapshot], state: Attempts
+    ) -> AbstractSet[str]:
+        """What the balancer must not choose: the clusters this request failed, and, while some
+        eligible cluster has a backend below its connection cap, the clusters whose every
+        candidate backend is at its cap (docs/data-plane.md, Per-backend connections)."""
+        failed = state.failed_clusters
+        if not self._any_full:
+            return failed
+        excluded_backends = self._excluded_backends(state)
+        full: set[str] = set()
+        for cluster in eligible:
+            candidates = [
+                b for b in cluster.backends if b.inference_server_id not in excluded_backends
+            ]
+            if candidates and not any(self._has_room(b) for b in candidates):
+                full.add(cluster.cluster_id)
+        if not full or len(full) == len(eligible):
+            return failed  # nothing is full, or everything is: then a request waits for a slot
+        return failed | full
+
     async def _attempt_cluster(
         self, context: _RequestContext, cluster: ClusterSnapshot
     ) -> Forwarded | LocalError | None:
@@ -365,12 +458,12 @@ class Forwarder:
             counter_key = (target, cluster.cluster_id)
             counter = self._backend_counters.get(counter_key, 0)
             self._backend_counters[counter_key] = counter + 1
-            excluded = (
-                state.failed_backends | self._routing.demoted
-                if self._routing.any_demoted
-                else state.failed_backends
+            backend = choose_backend(
+                cluster,
+                counter,
+                self._excluded_backends(state),
+                self._has_room if self._any_full else None,
             )
-            backend = choose_backend(cluster, counter, excluded)
             if backend is None:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
@@ -401,6 +494,20 @@ class Forwarder:
                 response = await self._request_head(
                     backend.registration, target, url, headers, context.body
                 )
+            except ConnectionPoolTimeout as error:
+                # Chosen while every candidate was at its cap, and no connection freed up within
+                # the pool's acquire timeout: nothing was sent, and the backend is not at fault.
+                self._metrics.attempts.labels(result="proxy_503", **server_labels).inc()
+                log.warning(
+                    "no free upstream connection: request_id=%s backend=%s error=%s",
+                    request.request_id,
+                    backend.inference_server_id,
+                    error,
+                )
+                decision = decide_transport_failure(
+                    state, FailureKind.BACKEND_FULL, self._retry_policy, trio.current_time()
+                )
+                self._dispatch_failed(request)  # a pool re-checks residency (docs/activator.md)
             except UpstreamError as error:
                 self._metrics.attempts.labels(result="proxy_502", **server_labels).inc()
                 log.warning(
@@ -463,6 +570,8 @@ class Forwarder:
                 return Forwarded(response, backend)
             if decision.action is Action.FAIL:
                 return LocalError(_upstream_failed(request))
+            if decision.action is Action.UNAVAILABLE:
+                return LocalError(_backends_full(request))
             if response is not None:
                 await response.aclose()
             if decision.action is Action.SIBLING:
@@ -518,6 +627,18 @@ def _upstream_failed(request: ProxyRequest) -> ContractError:
         502,
         message=f"the upstream request for model {request.model_id!r} failed; retry later",
         code="upstream_failed",
+    )
+
+
+def _backends_full(request: ProxyRequest) -> ContractError:
+    """The bare 503 when every candidate backend stayed at its connection cap for the pool's
+    acquire timeout (docs/data-plane.md, Per-backend connections)."""
+    return ContractError(
+        503,
+        message=f"every backend of model {request.model_id!r} is at its connection limit "
+        "(--proxy-max-connections-per-backend); retry later",
+        code="no_available_backend",
+        param="model",
     )
 
 

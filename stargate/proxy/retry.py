@@ -76,6 +76,8 @@ class FailureKind(enum.Enum):
     CONNECT = "connect"  # the connection was refused or could not be made
     OTHER = "other"  # head timeout, a reset before the head, an upload error
     BACKEND_UNROUTABLE = "backend_unroutable"  # the control plane took the backend out meanwhile
+    # Every connection to the backend stayed in use for the pool's acquire timeout; nothing sent.
+    BACKEND_FULL = "backend_full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ class Action(enum.Enum):
 
     RESPOND = "respond"  # return the upstream response as final
     FAIL = "fail"  # return the local 502
+    UNAVAILABLE = "unavailable"  # return the local 503: every candidate is at its connection cap
     SIBLING = "sibling"  # exclude this backend; a sibling in the cluster next, else re-balance
     OTHER_CLUSTER = "other_cluster"  # exclude the whole cluster and run the balancer again
 
@@ -168,7 +171,14 @@ def decide_transport_failure(
 ) -> Decision:
     """An attempt failed before its response head: a sibling (one connect retry spent), or the
     502 when the retry budget or the connect retries are out. A refused connection demotes the
-    backend; one the control plane took out is not demoted (docs/stale-routes.md)."""
+    backend; one the control plane took out is not demoted (docs/stale-routes.md).
+
+    A backend that stayed at its connection cap for the acquire timeout is the 503 at once, with
+    no retry spent (docs/data-plane.md, Per-backend connections): it was chosen only because
+    every candidate was at its cap, so another one would only be waited for again.
+    """
+    if kind is FailureKind.BACKEND_FULL:
+        return Decision(Action.UNAVAILABLE)
     demote = kind is FailureKind.CONNECT
     if expired(attempts.budget_deadline, now):
         return Decision(Action.FAIL, exhausted_reason="retry_budget_exhausted", demote=demote)

@@ -24,7 +24,10 @@ for that backend's response head (docs/stale-routes.md).
 
 A backend whose connection was refused is *demoted* (docs/data-plane.md, Retries): it stays in
 every snapshot and count, but the proxy does not pick it until its health probe passes again.
-Demotion is by `inference_server_id` and outlives the registration, as the probe's restore does.
+Demotion is by `inference_server_id` and ends with the registration: a new registration of the
+same id is routable only once its own probe has passed, which is exactly what lifts a demotion,
+so keeping it would change nothing but keep every departed engine's id (and `any_demoted`, which
+costs every request a set union) for the life of the replica.
 """
 
 from __future__ import annotations
@@ -441,6 +444,7 @@ class RoutingState:
                 del self._clusters[key]
         for model_id in cleanup:
             self._remove(registration, registration.target(model_id), notify=notify)
+        self._demoted.discard(registration.identity.inference_server_id)
         return True
 
     def is_live(self, registration: Registration) -> bool:
@@ -479,6 +483,11 @@ class RoutingState:
     def targets(self) -> list[RoutingTargetKey]:
         """Every target with at least one active backend."""
         return list(self._targets)
+
+    def has_cluster(self, target: RoutingTargetKey, cluster_id: str) -> bool:
+        """True while `target` has an active backend in the cluster `cluster_id`."""
+        state = self._targets.get(target)
+        return state is not None and cluster_id in state.clusters
 
     def active_backend_count(self, target: RoutingTargetKey) -> int:
         """Active backends of one target (the `active_inference_servers` gauge's value)."""

@@ -445,6 +445,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "proxyRetryBudgetHeader": "",
             "proxyResponseHeaderTimeoutMs": 120_000,
             "proxyConnectTimeoutMs": 2_000,
+            "proxyMaxConnectionsPerBackend": 4_096,
             "acceptOpenaiRequests": True,
             "lbConfigPath": files["lb.json"],
             "upstreamCaFile": files["ca.pem"],
@@ -538,6 +539,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert p.require_pylon_retry_signal is False
     assert p.retry_budget_header is None
     assert (p.response_header_timeout_ms, p.connect_timeout_ms) == (120_000, 2_000)
+    assert p.max_connections_per_backend == 4_096
     assert p.accept_openai_requests is True
     assert p.lb_config_path == Path(files["lb.json"])
     assert p.upstream_ca_file == Path(files["ca.pem"])

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from stargate import runtime
 from stargate.cli import main
-from stargate.config import ConfigError, ListenAddress, ServeConfig, WarmupConfig
+from stargate.config import ConfigError, ListenAddress, ProxyConfig, ServeConfig, WarmupConfig
 
 
 @pytest.fixture
@@ -333,3 +333,28 @@ def test_negative_client_limits_are_usage_errors_naming_the_flag(
 def test_serve_config_names_the_flag_of_a_negative_client_limit(field: str, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         ServeConfig(stargate_id="x", **{field: -1})  # type: ignore[arg-type]
+
+
+def test_max_connections_per_backend_flag(captured: list[ServeConfig]) -> None:
+    """`--proxy-max-connections-per-backend`: default 1024, flag, environment variable; 0 and
+    negative values are usage errors naming the flag, in the CLI and in `ProxyConfig`."""
+    code, output = _serve([])
+    assert code == 0, output
+    assert captured[-1].proxy.max_connections_per_backend == 1024
+    code, output = _serve(["--proxy-max-connections-per-backend=4096"])
+    assert code == 0, output
+    assert captured[-1].proxy.max_connections_per_backend == 4096
+    code, output = _serve([], {"STARGATE_PROXY_MAX_CONNECTIONS_PER_BACKEND": "2"})
+    assert code == 0, output
+    assert captured[-1].proxy.max_connections_per_backend == 2
+    for bad in ("0", "-1"):
+        captured.clear()
+        code, output = _serve([f"--proxy-max-connections-per-backend={bad}"])
+        assert code == 2
+        assert "'--proxy-max-connections-per-backend'" in output
+        assert captured == []
+    with pytest.raises(ConfigError, match="--proxy-max-connections-per-backend"):
+        ProxyConfig(max_connections_per_backend=0)
+    result = CliRunner().invoke(main, ["serve", "--help"], env={})
+    assert "--proxy-max-connections-per-backend" in result.output
+    assert "STARGATE_PROXY_MAX_CONNECTIONS_PER_BACKEND" in result.output

@@ -219,6 +219,7 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "proxyRetryBudgetHeader" "--proxy-retry-budget-header" "value")
   (list "proxyResponseHeaderTimeoutMs" "--proxy-response-header-timeout-ms" "value")
   (list "proxyConnectTimeoutMs" "--proxy-connect-timeout-ms" "value")
+  (list "proxyMaxConnectionsPerBackend" "--proxy-max-connections-per-backend" "value")
   (list "acceptOpenaiRequests" "--accept-openai-requests" "switch")
   (list "lbConfigPath" "--lb-config-path" "value")
   (list "upstreamCaFile" "--upstream-ca-file" "value")

@@ -38,7 +38,10 @@ class UpstreamConfig:
       as long as the model generates. `math.inf` disables it.
     * `pool_acquire_timeout`: how long a request waits for a connection slot when the origin is
       at `max_connections_per_origin`.
-    * `max_connections_per_origin`: open connections (in use plus idle) per scheme/host/port.
+    * `max_connections_per_origin`: open connections (in use plus idle) per scheme/host/port,
+      so also the concurrent requests and streams to one backend: a stream holds its connection
+      to its end. `--proxy-max-connections-per-backend` sets it; its default is that flag's,
+      since engines batch hundreds of sequences at once.
     * `max_idle_per_origin`: idle keep-alive connections kept per origin; extras are closed.
     * `idle_expiry`: an idle connection older than this is closed instead of reused (servers
       close idle connections after their own keep-alive timeout; reusing one that old mostly
@@ -52,7 +55,7 @@ class UpstreamConfig:
     connect_timeout: float = 5.0
     response_head_timeout: float = 30.0
     pool_acquire_timeout: float = 5.0
-    max_connections_per_origin: int = 256
+    max_connections_per_origin: int = 1024
     max_idle_per_origin: int = 32
     idle_expiry: float = 60.0
     ssl_context: ssl.SSLContext | None = None

@@ -9,8 +9,12 @@ the rest. A small h11 pool measured about 2x the throughput. This is that pool, 
 production-shaped; one connection's exchange and the response are in `connection.py`.
 
 * **Origins and slots**: each origin has a slot per connection in use (at most
-  `max_connections_per_origin`); a request waits up to `pool_acquire_timeout` for one. Origins
-  with no connections are dropped, so backends that come and go do not accumulate.
+  `max_connections_per_origin`); a request waits up to `pool_acquire_timeout` for one, first come
+  first served. Whether an origin has a free slot (`has_free_slot`) and its counts (`load`) are
+  O(1), so the forwarder can prefer backends below their cap (docs/data-plane.md, "Per-backend
+  connections"). Origins with no connections are dropped, so backends that come and go do not
+  accumulate; `close_idle_except` closes the idle connections of backends that left, so their
+  origins go at once rather than after `idle_expiry`.
 * **Idle bookkeeping is O(1) per request**: idle connections are kept newest-last; a request takes
   the newest one and checks only its age. Nothing polls idle sockets; `close_expired()` is the
   periodic housekeeping.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -50,13 +54,24 @@ from stargate.proxy.upstream.errors import (
     UpstreamProtocolError,
 )
 
-__all__ = ["ConnectionPool", "ConnectionPoolStats", "Origin"]
+__all__ = ["ConnectionPool", "ConnectionPoolStats", "Origin", "OriginLoad"]
 
 
 class Origin:
-    """Per scheme/host/port state: the idle stack and the connection slots."""
+    """Per scheme/host/port state: the idle stack, the connection slots and the waiters."""
 
-    __slots__ = ("host", "host_header", "idle", "key", "map_key", "port", "slots", "tls")
+    __slots__ = (
+        "full",
+        "host",
+        "host_header",
+        "idle",
+        "key",
+        "map_key",
+        "port",
+        "slots",
+        "tls",
+        "waiting",
+    )
 
     def __init__(
         self,
@@ -80,6 +95,21 @@ class Origin:
         # One slot per connection in use. A new connection is opened only while holding a slot
         # and only when no idle one is left, so open connections never exceed the slot count.
         self.slots = trio.Semaphore(max_connections, max_value=max_connections)
+        self.waiting = 0  # requests blocked on `slots`
+        self.full = False  # every slot held; counted in `ConnectionPool._full`
+
+
+@dataclass(frozen=True, slots=True)
+class OriginLoad:
+    """One origin's connections now: in use (slots held), idle (pooled), and the requests
+    waiting for a slot (non-zero only at the cap)."""
+
+    in_use: int = 0
+    idle: int = 0
+    waiting: int = 0
+
+
+_NO_LOAD = OriginLoad()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +146,66 @@ class ConnectionPool:
         self._open = 0
         self._in_use = 0
         self._stale_retries = 0
+        self._full = 0  # origins with every slot held
+        # Backend URL -> `_origins` key, for the per-backend questions (parsing a URL costs
+        # about 2 us, asked of every candidate while some origin is full); trimmed to the live
+        # backends' URLs by `close_idle_except`.
+        self._keys: dict[str, tuple[str, str]] = {}
 
     @property
     def config(self) -> UpstreamConfig:
         """The configuration this pool was built with."""
         return self._config
+
+    @property
+    def origin_count(self) -> int:
+        """Origins the pool keeps state for: those with a connection open or a request on one."""
+        return len(self._origins)
+
+    @property
+    def any_full(self) -> bool:
+        """True while some origin has every slot held (O(1)); when False, every backend has a
+        free slot and callers can skip asking about each."""
+        return self._full > 0
+
+    def has_free_slot(self, url: str) -> bool:
+        """Whether a request to `url` (a backend base URL, or any URL of its origin) would get a
+        connection slot without waiting. O(1); a URL the pool cannot parse counts as free (the
+        request itself then fails with the real error)."""
+        if not self._full:
+            return True
+        origin = self._origins.get(self._key(url))
+        return origin is None or not origin.full
+
+    def load(self, url: str) -> OriginLoad:
+        """The connections of `url`'s origin now (zeros for an origin with none). O(1)."""
+        origin = self._origins.get(self._key(url))
+        if origin is None:
+            return _NO_LOAD
+        in_use = self._config.max_connections_per_origin - origin.slots.value
+        return OriginLoad(in_use, len(origin.idle), origin.waiting)
+
+    def close_idle_except(self, urls: Iterable[str]) -> int:
+        """Close the idle connections of every origin none of `urls` belongs to; return how many
+        were closed.
+
+        For backends that left the fleet: their idle connections would otherwise stay open (and
+        their origins kept) until `idle_expiry`, a descriptor and some kilobytes each for every
+        engine restart. Connections in use are left alone; their origin goes when the last one
+        is released. Visits every origin: housekeeping, not for the request path.
+        """
+        keys = {url: self._key(url) for url in urls}
+        self._keys = keys
+        keep = set(keys.values())
+        closed = 0
+        for origin in list(self._origins.values()):
+            if origin.map_key in keep:
+                continue
+            while origin.idle:
+                self._close(origin.idle.pop())
+                closed += 1
+            self._forget_if_unused(origin)
+        return closed
 
     async def __aenter__(self) -> Self:
         return self
@@ -244,6 +329,12 @@ class ConnectionPool:
             self._release_slot(origin)
             raise
 
+    def _key(self, url: str) -> tuple[str, str]:
+        key = self._keys.get(url)
+        if key is None:
+            key = self._keys[url] = _map_key(url)
+        return key
+
     # --- request path internals ---
 
     def _resolve(self, url: str) -> tuple[Origin, bytes]:
@@ -296,13 +387,18 @@ class ConnectionPool:
         )
 
     async def _acquire_slot(self, origin: Origin) -> None:
+        slots = origin.slots
         try:
-            origin.slots.acquire_nowait()
+            slots.acquire_nowait()
         except trio.WouldBlock:
             acquired = False
-            with trio.move_on_after(self._config.pool_acquire_timeout):
-                await origin.slots.acquire()
-                acquired = True
+            origin.waiting += 1
+            try:
+                with trio.move_on_after(self._config.pool_acquire_timeout):
+                    await slots.acquire()
+                    acquired = True
+            finally:
+                origin.waiting -= 1
             if not acquired:
                 raise ConnectionPoolTimeout(
                     f"no free connection to {origin.key} within "
@@ -310,10 +406,17 @@ class ConnectionPool:
                     f"({self._config.max_connections_per_origin} in use)"
                 ) from None
         self._in_use += 1
+        if slots.value == 0 and not origin.full:
+            origin.full = True
+            self._full += 1
 
     def _release_slot(self, origin: Origin) -> None:
         self._in_use -= 1
         origin.slots.release()
+        # A slot released to a waiter passes straight to it: the origin stays full.
+        if origin.full and origin.slots.value > 0:
+            origin.full = False
+            self._full -= 1
         self._forget_if_unused(origin)
 
     def _take_idle(self, origin: Origin) -> Connection | None:
@@ -422,3 +525,13 @@ class ConnectionPool:
             and self._origins.get(origin.map_key) is origin
         ):
             del self._origins[origin.map_key]
+
+
+def _map_key(url: str) -> tuple[str, str]:
+    """The `_origins` key of a URL: scheme and netloc, as `ConnectionPool._resolve` makes it
+    (a key no origin has for a URL that does not parse)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ("", url)
+    return (parts.scheme, parts.netloc)

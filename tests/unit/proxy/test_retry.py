@@ -73,7 +73,10 @@ def test_transport_failures(
     attempts = _attempts(budget, connect=MAX - 1 if retries_left else MAX, request=MAX)
     decision = decide(attempts, TransportFailure(kind), _policy(require_signal), NOW)
     demote = kind is FailureKind.CONNECT  # never for one the control plane took out
-    if BUDGETS[budget][1]:
+    if kind is FailureKind.BACKEND_FULL:
+        # Every candidate was at its connection cap: the 503 at once, whatever is left.
+        expected = Decision(Action.UNAVAILABLE)
+    elif BUDGETS[budget][1]:
         expected = Decision(Action.FAIL, exhausted_reason="retry_budget_exhausted", demote=demote)
     elif not retries_left:
         expected = Decision(

@@ -299,16 +299,24 @@ def test_demotion_changes_no_snapshot_count_or_listing() -> None:
     assert state.snapshot(_target("m")) is before
 
 
-def test_demotion_outlives_the_registration_until_restored() -> None:
+def test_demotion_lasts_until_restored_or_the_registration_ends() -> None:
+    """A demotion ends with its registration: a new registration of the id is routable only
+    after its own probe passed, which would lift it anyway; kept, every departed engine's id
+    would stay demoted (and `any_demoted` true) for the life of the replica."""
     state = RoutingState()
     reg = state.begin(_identity("pylon-1"))
     state.apply(reg, {"m": _route()})
     state.demote("pylon-1")
+    state.apply(reg, {"m": _route()})
+    assert state.is_demoted("pylon-1")  # an update does not lift it; only a passing probe does
     state.end(reg)
-    assert state.is_demoted("pylon-1")  # only a passing probe lifts it
+    assert not state.any_demoted
     again = state.begin(_identity("pylon-1"))
     state.apply(again, {"m": _route()})
-    assert state.is_demoted("pylon-1")
+    state.demote("pylon-1")
+    stale = state.begin(_identity("pylon-2"))
+    state.end(stale)
+    assert state.is_demoted("pylon-1")  # another registration's end leaves it alone
     state.restore("pylon-1")
     assert not state.any_demoted
 
