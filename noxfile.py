@@ -39,13 +39,21 @@ def protos(session: nox.Session) -> None:
     session.run("python", "-m", "stargate.protocol.generate")
 
 
+BENCH_EXTRAS = {"proxy": ".[test]", "capacity": ".[test,bench]"}
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks on loopback: `nox -s bench -- proxy [--quick]` (see benchmarks/proxy.py)."""
-    if not session.posargs or session.posargs[0] != "proxy":
-        session.error("usage: nox -s bench -- proxy [--quick] [options; see --help]")
-    session.install("-e", ".[test]")
-    session.run("python", "-m", "benchmarks.proxy", *session.posargs[1:])
+    """Benchmarks on loopback: `nox -s bench -- proxy [--quick]` (see benchmarks/proxy.py) and
+    `nox -s bench -- capacity [--quick]` (see benchmarks/capacity.py; writes bench-results/)."""
+    if not session.posargs or session.posargs[0] not in BENCH_EXTRAS:
+        session.error(
+            "usage: nox -s bench -- proxy [--quick] [options; see --help]\n"
+            "       nox -s bench -- capacity [--quick] [options; see --help]"
+        )
+    part = session.posargs[0]
+    session.install("-e", BENCH_EXTRAS[part])
+    session.run("python", "-m", f"benchmarks.{part}", *session.posargs[1:])
 
 
 @nox.session(python=PYTHON)

@@ -27,50 +27,40 @@ import json
 import math
 import os
 import platform
-import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import h11
 import trio
 
+from benchmarks.common import (
+    CLK_TCK,
+    ROOT,
+    BenchError,
+    Deadline,
+    Processes,
+    Registration,
+    cpu_seconds,
+    free_ports,
+    start_printing_server,
+    wait_until,
+)
 from benchmarks.h11_client import read_response
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
 TOKENS = 50
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 CHAT_BODY = json.dumps(CHAT, separators=(",", ":")).encode()
 STREAM_BODY = json.dumps({**CHAT, "stream": True}, separators=(",", ":")).encode()
 PATH = "/v1/chat/completions"
-HEARTBEAT_HEADER = "x-stargate-registration-heartbeat-ms"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not run (a process did not start, a phase failed outright)."""
-
-
-# ---- CPU accounting -----------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process `pid` (every thread, not its children), in seconds."""
-    with open(f"/proc/{pid}/stat", "rb") as stat:
-        data = stat.read()
-    # Fields after the parenthesised command name start at field 3 (state); utime is field 14.
-    fields = data[data.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # ---- the load generator (runs in its own process) -----------------------------------------------
@@ -298,157 +288,7 @@ def serve_noop() -> None:
     trio.run(run)
 
 
-# ---- process management -------------------------------------------------------------------------
-
-
-class Deadline:
-    """The whole run's time budget; every wait takes the smaller of its own cap and what is left."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self, cap: float) -> float:
-        return max(0.0, min(cap, self.end - time.monotonic()))
-
-
-class Processes:
-    """Every subprocess this run starts; `stop_all` ends each one (by its own handle)."""
-
-    def __init__(self) -> None:
-        self._started: list[subprocess.Popen[Any]] = []
-
-    def spawn(self, args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        process: subprocess.Popen[Any] = subprocess.Popen(args, cwd=ROOT, env=env, **kwargs)
-        self._started.append(process)
-        return process
-
-    def stop_all(self) -> None:
-        for process in reversed(self._started):
-            if process.poll() is None:
-                process.terminate()
-        for process in reversed(self._started):
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            if process.stdout is not None:
-                process.stdout.close()
-
-
-def _read_line(stream: IO[str], timeout: float) -> str:
-    """The first line of `stream`, or "" if none arrives within `timeout` seconds."""
-    box: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: box.put(stream.readline()), daemon=True).start()
-    try:
-        return box.get(timeout=timeout)
-    except queue.Empty:
-        return ""
-
-
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _start_printing_server(
-    procs: Processes, args: list[str], log_path: Path, what: str, timeout: float
-) -> tuple[subprocess.Popen[Any], int]:
-    """Start a server that prints `listening on http://HOST:PORT` on stdout; return its port."""
-    with log_path.open("wb") as log:
-        process = procs.spawn(args, stdout=subprocess.PIPE, stderr=log, text=True)
-    assert process.stdout is not None
-    line = _read_line(process.stdout, timeout)
-    if not line.startswith("listening on "):
-        raise BenchError(f"{what} did not start: {line!r}\n{_log_tail(log_path)}")
-    return process, int(line.split()[-1].rsplit(":", 1)[1])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(
-    predicate: Callable[[], bool],
-    timeout: float,
-    what: str,
-    process: subprocess.Popen[Any],
-    log_path: Path,
-) -> None:
-    """Poll `predicate` every 20 ms (errors count as "not yet"); fail if `process` exits."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise BenchError(f"{what}: the process exited\n{_log_tail(log_path)}")
-        try:
-            if predicate():
-                return
-        except Exception as error:  # connection refused and the like: not yet
-            last = error
-        time.sleep(0.02)
-    raise BenchError(f"timed out waiting for {what} (last error: {last!r})\n{_log_tail(log_path)}")
-
-
-class Registration:
-    """A Pylon-like `RegisterInferenceServer` stream announcing one backend
-    (cf. tests/fakes/pylon.py)."""
-
-    def __init__(self, grpc_port: int, server_id: str, url: str) -> None:
-        import grpc
-
-        from stargate.protocol import stargate_pb2 as pb
-        from stargate.protocol import stargate_pb2_grpc as pb_grpc
-
-        self._grpc = grpc
-        self._ack_type = pb.InferenceServerAck
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        self._outbox: queue.Queue[Any] = queue.Queue()
-        self._acks: queue.Queue[Any] = queue.Queue()
-        self._outbox.put(
-            pb.InferenceServerRegistration(
-                inference_server_id=server_id,
-                inference_server_url=url,
-                models={
-                    MODEL: pb.InferenceServerModelRegistration(
-                        stats=pb.ModelStats(), status=pb.INFERENCE_SERVER_STATUS_ACTIVE
-                    )
-                },
-            )
-        )
-        stub = pb_grpc.StargateControlPlaneStub(self._channel)  # type: ignore[no-untyped-call]
-        self._call = stub.RegisterInferenceServer(
-            iter(self._outbox.get, None), metadata=[(HEARTBEAT_HEADER, "1000")]
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for ack in self._call:
-                self._acks.put(ack)
-        except self._grpc.RpcError as error:
-            self._acks.put(error)
-            return
-        self._acks.put(None)
-
-    def wait_ack(self, timeout: float) -> None:
-        try:
-            ack = self._acks.get(timeout=timeout)
-        except queue.Empty:
-            raise BenchError("registration: no ack from the replica") from None
-        if not isinstance(ack, self._ack_type):
-            raise BenchError(f"registration: expected an ack, got {ack!r}")
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        self._call.cancel()
-        self._channel.close()
+# ---- the servers -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -467,7 +307,7 @@ def started_servers(procs: Processes, log_dir: Path, deadline: Deadline) -> Iter
     import httpx
 
     python = sys.executable
-    mock, mock_port = _start_printing_server(
+    mock, mock_port = start_printing_server(
         procs,
         [
             python,
@@ -487,14 +327,14 @@ def started_servers(procs: Processes, log_dir: Path, deadline: Deadline) -> Iter
         "the mock backend",
         deadline.left(20),
     )
-    noop, noop_port = _start_printing_server(
+    noop, noop_port = start_printing_server(
         procs,
         [python, "-c", "from benchmarks.proxy import serve_noop; serve_noop()"],
         log_dir / "noop.log",
         "the no-op ASGI server",
         deadline.left(20),
     )
-    http, grpc_port, discovery, metrics = (free_port() for _ in range(4))
+    http, grpc_port, discovery, metrics = free_ports(4)
     replica_log = log_dir / "replica.log"
     with replica_log.open("wb") as log:
         replica = procs.spawn(
@@ -524,7 +364,9 @@ def started_servers(procs: Processes, log_dir: Path, deadline: Deadline) -> Iter
             replica,
             replica_log,
         )
-        registration = Registration(grpc_port, "bench-backend-0", f"http://127.0.0.1:{mock_port}")
+        registration = Registration(
+            grpc_port, "bench-backend-0", f"http://127.0.0.1:{mock_port}", [MODEL]
+        )
         try:
             registration.wait_ack(deadline.left(10))
             headers = {"x-request-id": "bench-ready", "x-input-tokens": "10", "x-model": MODEL}
