@@ -12,10 +12,11 @@ bypassed by an encoding the rule did not expect.
 
 Per request: validate the header contract, read the body (bounded; in the OpenAI form, whose
 model is in the body, first), route and attempt, then stream the upstream response as it
-arrives. A client that goes away cancels everything in flight for it, upstream connection
-included; an upstream that fails mid-body ends the client's body without its final chunk (the
-connection is closed), so the client can tell, and is logged as one WARNING line with its fields
-and no traceback (docs/logging.md).
+arrives. The body is held once, in the buffer that is sent and replayed (`_BodyBuffer`;
+docs/data-plane.md, "Request bodies in memory"). A client that goes away cancels everything in
+flight for it, upstream connection included; an upstream that fails mid-body ends the client's
+body without its final chunk (the connection is closed), so the client can tell, and is logged as
+one WARNING line with its fields and no traceback (docs/logging.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from stargate.asgi import ASGIApp, ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ProxyConfig
 from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
+from stargate.proxy import json_scan
 from stargate.proxy.contract import (
     ENDPOINTS,
     ContractError,
@@ -79,6 +81,8 @@ class ProxyApp:
         self._fallback = fallback
         header = config.retry_budget_header
         self._retry_budget_header = None if header is None else header.encode()
+        if config.accept_openai_requests:
+            json_scan.prepare("model")  # not on the first request: ~80 ms of compiling
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] != "http":
@@ -155,7 +159,7 @@ class ProxyApp:
             raise _ClientGone
 
     def _parse(
-        self, scope: ASGIScope, headers: list[tuple[bytes, bytes]], body: bytes
+        self, scope: ASGIScope, headers: list[tuple[bytes, bytes]], body: bytes | bytearray
     ) -> ProxyRequest:
         return parse_proxy_request(
             scope["path"],
@@ -256,14 +260,15 @@ async def _cancel_on_disconnect(receive: ASGIReceive, scope: trio.CancelScope) -
             return
 
 
-async def _read_body(receive: ASGIReceive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+async def _read_body(
+    receive: ASGIReceive, headers: list[tuple[bytes, bytes]], limit: int
+) -> bytes | bytearray:
     """The whole request body, or 413 when it (or its declared length) exceeds `limit`."""
     declared = first_header(headers, b"content-length")
-    if declared is not None:
-        length = parse_unsigned(declared, 2**64 - 1)
-        if length is not None and length > limit:
-            raise _too_large(limit)
-    chunks: list[bytes] = []
+    length = None if declared is None else parse_unsigned(declared, 2**64 - 1)
+    if length is not None and length > limit:
+        raise _too_large(limit)
+    body = _BodyBuffer(length)
     size = 0
     while True:
         message = await receive()
@@ -273,9 +278,81 @@ async def _read_body(receive: ASGIReceive, headers: list[tuple[bytes, bytes]], l
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
-        chunks.append(chunk)
+        body.append(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return body.take()
+
+
+class _BodyBuffer:
+    """A request body as it arrives, in the one buffer that is then sent and replayed
+    (docs/data-plane.md, "Request bodies in memory").
+
+    A body that arrives in one piece is kept as that piece (no copy at all). Otherwise the pieces
+    are copied, as they arrive, into one `bytearray`: with a declared length, one of exactly that
+    size (under 1 KiB more), reached by doubling as the body arrives, so that a client
+    cannot make the replica commit memory for a body it does not send; without one (chunked
+    framing), one that grows by appending (amortised, as `bytearray` grows). Either way there is
+    no second copy: no list of pieces to join, no `bytes` made of it.
+
+    The declared length is only a size hint: the servers in front enforce it (h11 reads exactly
+    that many bytes, h2 resets a stream whose data disagrees with it), and a body that still
+    differs is kept as it arrived, as before.
+    """
+
+    __slots__ = ("_buffer", "_declared", "_filled", "_first")
+
+    # The first allocation for a declared length is at most this; doubling reaches the length.
+    _STEP = 65536
+
+    def __init__(self, declared: int | None) -> None:
+        self._declared = declared
+        self._first = b""  # the first piece, until a second arrives
+        self._buffer: bytearray | None = None
+        self._filled = 0  # bytes of `_buffer` that hold the body (past them: room)
+
+    def append(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        if self._buffer is None:
+            if not self._first:
+                self._first = chunk
+                return
+            self._buffer = bytearray(self._initial_size())
+            first, self._first = self._first, b""
+            self._write(first)
+        self._write(chunk)
+
+    def take(self) -> bytes | bytearray:
+        """The body: the one piece, or the buffer (trimmed to the body)."""
+        buffer = self._buffer
+        if buffer is None:
+            return self._first
+        del buffer[self._filled :]
+        return buffer
+
+    def _initial_size(self) -> int:
+        """ceil(declared / 2**k) for the least k that makes it at most `_STEP`: doubling it k
+        times gives the declared length, plus less than 2**k bytes (under 1 KiB at 64 MiB)."""
+        size = self._declared or 0
+        while size > self._STEP:
+            size = (size + 1) // 2
+        return size
+
+    def _write(self, chunk: bytes) -> None:
+        buffer = self._buffer
+        assert buffer is not None
+        start, end = self._filled, self._filled + len(chunk)
+        if end > len(buffer):
+            if self._declared is None or end > self._declared:
+                # No declared length, or past it: grow by appending.
+                del buffer[start:]
+                buffer += chunk
+                self._filled = end
+                return
+            while len(buffer) < end:
+                buffer *= 2  # in place: a `realloc`, no second buffer
+        buffer[start:end] = chunk  # same length: copied in place
+        self._filled = end
 
 
 def _too_large(limit: int) -> ContractError:

@@ -7,7 +7,8 @@ range-checked), not Python's `int()` (which accepts `1_000` and non-ASCII digits
 counts by its first value; a string header that is not visible ASCII counts as absent.
 
 docs/decisions.md, D5 adds `--accept-openai-requests`: without `x-model`, the model comes from the
-JSON body, a request id is generated and returned, and the input tokens are estimated from the body
+JSON body (read by a scan of its bytes, stargate/proxy/json_scan.py: the body is never parsed into
+objects), a request id is generated and returned, and the input tokens are estimated from the body
 size. Such a request is in the *OpenAI form*, and every answer the replica makes itself for it has
 the OpenAI error body; a request in the Rust header form gets the Rust answers byte for byte
 (docs/clients.md, "Error bodies").
@@ -24,6 +25,8 @@ import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from stargate.proxy.json_scan import top_level_string
 
 __all__ = [
     "ENDPOINTS",
@@ -221,7 +224,7 @@ def _numeric(headers: Headers, name: bytes, maximum: int) -> int | None:
     return value
 
 
-def estimate_input_tokens(body: bytes) -> int:
+def estimate_input_tokens(body: bytes | bytearray) -> int:
     """A rough token count for clients that send none: about four bytes per token."""
     return max(1, len(body) // 4)
 
@@ -302,7 +305,7 @@ def parse_proxy_request(
     path: str,
     query: bytes,
     headers: Headers,
-    body: bytes,
+    body: bytes | bytearray,
     *,
     retry_budget_header: bytes | None,
     accept_openai_requests: bool = False,
@@ -427,15 +430,16 @@ def _forwardable_query(query: bytes) -> bytes:
     return b"".join(bytes((byte,)) if 0x21 <= byte <= 0x7E else b"%%%02X" % byte for byte in query)
 
 
-def _model_from_body(body: bytes) -> str:
+def _model_from_body(body: bytes | bytearray) -> str:
+    """The body's top-level `model` string: a scan that accepts and refuses what `json.loads`
+    does, without building the document (stargate/proxy/json_scan.py)."""
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        # RecursionError: nesting deeper than the interpreter's stack (200,000 `[`) is bad input
-        # like any other, answered 400 rather than 500 with a traceback.
+        model = top_level_string(body, "model")
+    except (ValueError, RecursionError):
+        # ValueError covers UnicodeDecodeError. Nesting deeper than json_scan.MAX_DEPTH is refused
+        # there; RecursionError stays for a body handed to json.loads (UTF-16 or UTF-32).
         raise _bad_body('request body must be JSON with a "model" field') from None
-    model = document.get("model") if isinstance(document, dict) else None
-    if not isinstance(model, str) or not model.strip():
+    if model is None or not model.strip():
         raise _bad_body('request body has no "model" field')
     model = model.strip()
     # It is forwarded as `x-model`: a lone surrogate (JSON can spell one, `"\ud800"`) cannot be

@@ -217,7 +217,7 @@ class _RequestContext:
 
     request: ProxyRequest
     target: RoutingTargetKey
-    body: bytes
+    body: bytes | bytearray
     labels: dict[str, str]
     start: float
     attempts: Attempts
@@ -346,7 +346,7 @@ class Forwarder:
         return spec
 
     async def forward(
-        self, request: ProxyRequest, spec: AlgorithmSpec, body: bytes
+        self, request: ProxyRequest, spec: AlgorithmSpec, body: bytes | bytearray
     ) -> Forwarded | LocalError:
         """Route and attempt until a final response (or local error) for `request`."""
         target = RoutingTargetKey(request.routing_key, request.model_id)
@@ -589,7 +589,7 @@ class Forwarder:
         target: RoutingTargetKey,
         url: str,
         headers: Headers,
-        body: bytes,
+        body: bytes | bytearray,
     ) -> UpstreamResponse | None:
         """Send one attempt and wait for its response head; None when the backend stopped being
         routable for `target` first (`backend_unroutable` cancelled the wait)."""

@@ -44,7 +44,7 @@ from stargate.proxy.upstream.errors import ResponseHeadTimeout, UpstreamProtocol
 if TYPE_CHECKING:
     from stargate.proxy.upstream.connection_pool import Origin
 
-__all__ = ["Connection", "Release", "UpstreamResponse", "build_request"]
+__all__ = ["Body", "Connection", "Release", "UpstreamResponse", "build_request"]
 
 # One receive per wake-up: large enough that a whole small response, or a burst of SSE events,
 # is one syscall.
@@ -59,6 +59,11 @@ _OWNED_HEADERS: Final = frozenset({b"host", b"content-length", b"transfer-encodi
 # Methods that send `content-length` only when they actually carry a body (RFC 9110 §8.6: a client
 # should not send `content-length: 0` where the method defines no meaning for content).
 _BODYLESS_METHODS: Final = frozenset({b"GET", b"HEAD", b"DELETE", b"OPTIONS", b"TRACE"})
+
+Body: TypeAlias = bytes | bytearray
+"""A request body as the proxy holds it: the bytes it received, or the `bytearray` it read them
+into (stargate/proxy/app.py). Sent as it is: never copied to `bytes` (docs/data-plane.md, "Request
+bodies in memory")."""
 
 Release: TypeAlias = Callable[["Connection", bool], None]
 """Gives a connection back to its owner: `release(conn, reusable)`. Reusable means the response
@@ -78,7 +83,7 @@ def build_request(
     host_header: bytes,
     target: bytes,
     headers: list[tuple[bytes, bytes]],
-    body: bytes,
+    body: Body,
 ) -> h11.Request:
     """The request head: `headers` as given except the owned ones, plus `host` and (when there is
     a body, or the method defines one) `content-length`. Raises `ValueError` for a bad header.
@@ -134,7 +139,7 @@ class Connection:
         self.closed = False
 
     async def exchange(
-        self, head: h11.Request, body: bytes, head_timeout: float
+        self, head: h11.Request, body: Body, head_timeout: float
     ) -> UpstreamResponse:
         """Write the request and read the response head; the response then holds this connection.
 
@@ -164,13 +169,14 @@ class Connection:
         self.socket_stream.socket.close()
         return True
 
-    async def _send_request(self, head: h11.Request, body: bytes) -> None:
+    async def _send_request(self, head: h11.Request, body: Body) -> None:
         machine = self.h11
         data = machine.send(head)
         if body:
             # Content-length framing writes the body verbatim; this call only advances h11's
-            # bookkeeping, so the body itself is sent below without an extra copy.
-            machine.send_with_data_passthrough(h11.Data(data=body))
+            # bookkeeping, so the body itself is sent below without an extra copy. (h11 takes any
+            # bytes-like object here: it only counts it; its annotation says bytes.)
+            machine.send_with_data_passthrough(h11.Data(data=cast(bytes, body)))
         machine.send(h11.EndOfMessage())
         try:
             if len(body) <= _COALESCE_LIMIT:

@@ -43,6 +43,7 @@ import trio
 
 from stargate.proxy.upstream.config import UpstreamConfig, make_ssl_context
 from stargate.proxy.upstream.connection import (
+    Body,
     Connection,
     UpstreamResponse,
     _DeadBeforeResponse,
@@ -262,7 +263,7 @@ class ConnectionPool:
         )
 
     async def request(
-        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes = b""
+        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: Body = b""
     ) -> UpstreamResponse:
         """Send one request and return once the response head has arrived.
 
