@@ -25,6 +25,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.routing import MapAdapter, PathConverter
 
+from stargate.asgi import visible_query
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 
@@ -151,8 +152,8 @@ class _AdminApp(QuartTrio):
     ) -> None:
         if scope["type"] == "http":
             query = scope["query_string"]
-            if not all(0x21 <= byte <= 0x7E for byte in query):
-                scope = {**scope, "query_string": _percent_encode(query)}
+            if (encoded := visible_query(query)) is not query:
+                scope = {**scope, "query_string": encoded}
         await super().__call__(scope, receive, send)
 
     def create_url_adapter(self, request: BaseRequestWebsocket | None) -> MapAdapter | None:
@@ -176,12 +177,6 @@ class _AdminApp(QuartTrio):
         response = await super().make_default_options_response()
         response.mimetype = "text/plain"
         return response
-
-
-def _percent_encode(query: bytes) -> bytes:
-    """`query` with every byte outside visible ASCII written as `%XX`, as an HTTP/1.1 client must
-    send it; Werkzeug then leaves what is not UTF-8 percent-encoded in `request.args`."""
-    return b"".join(bytes((byte,)) if 0x21 <= byte <= 0x7E else b"%%%02X" % byte for byte in query)
 
 
 def _openai_model(routing: RoutingState, model_id: str) -> dict[str, Any]:

@@ -170,6 +170,7 @@ class ProxyApp:
             accept_openai_requests=self._config.accept_openai_requests,
             client=scope.get("client"),
             scheme=scope["scheme"],
+            http1=scope.get("http_version") != "2",
         )
 
     async def _acquire(self, request: ProxyRequest) -> Grant | None:
