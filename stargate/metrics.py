@@ -382,6 +382,11 @@ class LiveFleet:
             targets.update((routing_key or "", model) for model in models)
         return cls(frozenset(backends), frozenset(targets), frozenset(m for _, m in targets))
 
+    def with_targets(self, targets: Iterable[tuple[str, str]]) -> LiveFleet:
+        """This fleet with more live `(routing_key label, model)` targets."""
+        more = self.targets.union(targets)
+        return LiveFleet(self.backends, more, frozenset(m for _, m in more))
+
 
 @dataclass(frozen=True, slots=True)
 class FleetLabels:
@@ -492,6 +497,7 @@ class DepartedSeriesSweep:
     ) -> None:
         self._sweeper = SeriesSweeper(grace_seconds)
         self._pinned = frozenset({"", *pinned_models})
+        self._seen_targets: set[tuple[str, str]] = set()
         proxy = metrics.proxy
         families: list[MetricWrapperBase] = [
             proxy.requests,
@@ -513,6 +519,16 @@ class DepartedSeriesSweep:
     def grace_seconds(self) -> float:
         return self._sweeper.grace_seconds
 
+    def saw_live_target(self, routing_key: str | None, model: str) -> None:
+        """A target had active backends at some moment since the last sweep.
+
+        The sweep only sees the fleet at the moment it runs; a model whose only backend keeps
+        leaving and coming back can be absent at every sweep while live in between, and its
+        gauge reads 0 again each time, so its fingerprint never changes. Targets seen live
+        since the last sweep count as live in the next one, which restarts their grace period.
+        """
+        self._seen_targets.add((routing_key or "", model))
+
     @property
     def tracked(self) -> int:
         """Series of departed backends and targets whose grace period is running."""
@@ -521,6 +537,9 @@ class DepartedSeriesSweep:
     def sweep(self, fleet: LiveFleet, now: float) -> int:
         """Remove the series whose grace period ran out; return how many were removed."""
         pinned = self._pinned
+        if self._seen_targets:
+            fleet = fleet.with_targets(self._seen_targets)
+            self._seen_targets = set()
 
         def series() -> Iterable[tuple[SeriesKey, bool]]:
             for name, (family, labels) in self._families.items():

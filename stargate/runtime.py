@@ -584,6 +584,8 @@ class Replica:
 
     def _publish_target_count(self, target: RoutingTargetKey, count: int) -> None:
         self.metrics.set_active_inference_servers(target.routing_key, target.model_id, count)
+        if count:
+            self.series_sweep.saw_live_target(target.routing_key, target.model_id)
         self.member_availability.on_target_count(target, count)
         if count == 0:
             self.forwarder.forget_target(target)

@@ -237,3 +237,22 @@ async def test_scrape_pauses_the_collector_only_while_rendering() -> None:
             assert not gc.isenabled()
         finally:
             gc.enable()
+
+
+def test_a_target_live_between_sweeps_keeps_its_series() -> None:
+    """A model whose only backend keeps leaving and coming back may be absent at every sweep;
+    its gauge reads 0 each time, yet it was live in between, so its grace period restarts."""
+    metrics = Metrics(CollectorRegistry())
+    sweep = DepartedSeriesSweep(metrics, grace_seconds=10)
+    empty = LiveFleet.of([])
+    metrics.set_active_inference_servers(None, "flap", 0)
+    assert sweep.sweep(empty, now=0) == 0
+    for now in range(5, 30, 5):  # between each two sweeps it was live for a moment
+        metrics.set_active_inference_servers(None, "flap", 1)
+        sweep.saw_live_target(None, "flap")
+        metrics.set_active_inference_servers(None, "flap", 0)
+        assert sweep.sweep(empty, now=now) == 0
+    # It stops coming back: removed a grace period after it was last seen live.
+    assert sweep.sweep(empty, now=30) == 0
+    assert sweep.sweep(empty, now=39) == 0
+    assert sweep.sweep(empty, now=40) == 1
