@@ -1,7 +1,7 @@
 """Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down, or that keep
 connections open after HTTP says they end.
 
-`apply()` installs the first seven once, when `stargate/serving.py` is imported; the last one wraps
+`apply()` installs the first eight once, when `stargate/serving.py` is imported; the last one wraps
 each served app (`complete_response_before_disconnect`, applied by `serving.serve_asgi`). Each
 fix is small, targeted at one upstream issue, and covered by a test that fails without it. What a
 client can expect as a result is in docs/http-serving.md.
@@ -49,6 +49,9 @@ client can expect as a result is in docs/http-serving.md.
   stalled bodies at once, tests/unit/test_http_limits.py). Only that close writes outside the
   lock, so the error means the connection is closing: the send is handled like one on a closed
   connection.
+* HTTP/2 send order: streams take turns to send in round robin (`stargate/h2_send_order.py`)
+  instead of through the RFC 7540 priority tree (deprecated by RFC 9113, unused by our clients),
+  whose per-turn walk cost about 15% of the replica's CPU with a thousand Pylons heartbeating.
 * `leave(config)` is not a fix but uses the rotation: during a shutdown's leave phase it tells
   every client of a listener to move on (docs/rolling-restarts.md).
 * Responses complete before `http.disconnect` (`complete_response_before_disconnect`): Hypercorn
@@ -64,8 +67,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import h2.errors
 import h2.events
@@ -84,6 +89,7 @@ from hyperframe.frame import GoAwayFrame
 from priority.priority import MissingStreamError, PriorityError, TooManyStreamsError
 
 from stargate.asgi import ASGIApp, ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+from stargate.h2_send_order import RoundRobin
 
 __all__ = ["apply", "complete_response_before_disconnect", "leave"]
 
@@ -106,6 +112,8 @@ def apply() -> None:
     _fix_stream_lifecycle()
     _contain_connection_failures()
     _fix_send_during_close()
+    _write_at_once()
+    _send_in_turn()
 
 
 # --- pgjones/hypercorn#329, refused streams, GOAWAY rotation: what the connection receives -------
@@ -411,6 +419,19 @@ async def _send_trailers(proto: H2Protocol, event: Trailers) -> None:
     await proto._flush()
 
 
+def _send_in_turn() -> None:
+    """Streams take turns to send in round robin (stargate/h2_send_order.py), not through the
+    RFC 7540 priority tree, whose per-turn cost was a sixth of the replica's CPU with a thousand
+    Pylons (docs/performance.md)."""
+    original_init = H2Protocol.__init__
+
+    def init(self: H2Protocol, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self.priority = RoundRobin()  # type: ignore[assignment]
+
+    H2Protocol.__init__ = init  # type: ignore[method-assign]
+
+
 # --- contained connection failures ---------------------------------------------------------------
 
 
@@ -444,6 +465,61 @@ def _fix_send_during_close() -> None:
             # closing under this send, as if it had already closed (the original's handling).
             if not isinstance(event, RawData):
                 raise
+            await self.protocol.handle(Closed())
+
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+
+
+def _write_at_once() -> None:
+    """Write a connection's bytes in one non-blocking `write` when the socket takes them all.
+
+    Hypercorn's `protocol_send` takes the connection's send lock, opens a shielded cancel scope
+    and calls trio's `send_all` for every write: two trips through the scheduler (the lock's
+    checkpoint, and the one trio makes after a successful send) and four context managers, about
+    30 us, for what is usually one `send(2)` the kernel completes at once. That is most of the
+    per-chunk cost of a relayed SSE stream, and every response pays it twice (head, then body;
+    docs/http-serving.md, "Writes"). When the lock is free and the stream is a plain TCP socket,
+    this takes the lock without waiting, writes directly, and returns without yielding if the
+    kernel took everything; what it did not take is sent as before (shielded, under the lock), so
+    order and completeness are as before. An empty write (the end of a body framed by
+    `content-length`) writes nothing. It is still a cancellation point, as the lock was; anything
+    else (TLS, a busy lock, a closed or half-closed socket, events that are not writes) takes
+    Hypercorn's path.
+    """
+    original_protocol_send = TCPServer.protocol_send
+
+    async def protocol_send(self: TCPServer, event: IOEvent) -> None:
+        stream = self.stream
+        lock = self.send_lock
+        if type(event) is not RawData or type(stream) is not trio.SocketStream or lock.locked():
+            await original_protocol_send(self, event)
+            return
+        sock = stream.socket
+        fd = sock.fileno()
+        if fd < 0 or sock.did_shutdown_SHUT_WR:
+            await original_protocol_send(self, event)  # closed: the original's handling
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        data = event.data
+        if not data:
+            return
+        closed = False
+        lock.acquire_nowait()
+        try:
+            try:
+                sent = os.write(fd, data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                with trio.CancelScope(shield=True):
+                    await stream.send_all(memoryview(data)[sent:])
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            closed = True
+        except trio.BusyResourceError:
+            closed = True  # `_close` is half-closing the socket (`_fix_send_during_close`)
+        finally:
+            lock.release()
+        if closed:
             await self.protocol.handle(Closed())
 
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]

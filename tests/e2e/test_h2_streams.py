@@ -2,9 +2,10 @@
 
 Against a real replica (`python -m stargate serve` on loopback): a grpcio channel with 50 calls in
 flight and h2c connections whose streams are reset early. Each run goes well past the 1000 streams
-Hypercorn's per-connection priority tree holds, which is where a leaked stream used to take the
-listener, and the replica, down. In process (Hypercorn's trio worker via `serve_asgi`): the full
-tree, GOAWAY rotation, a failing connection task and an app that fails mid-body.
+a connection's send scheduler holds (Hypercorn's priority tree, now stargate/h2_send_order.py),
+which is where a leaked stream used to take the listener, and the replica, down. In process
+(Hypercorn's trio worker via `serve_asgi`): the full scheduler, GOAWAY rotation, a failing
+connection task and an app that fails mid-body.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import h2.connection
 import h2.errors
 import h2.events
 import httpx
-import priority
 import pytest
 import trio
 from google.protobuf.message import Message
@@ -33,9 +33,11 @@ from h2.connection import ConnectionInputs, ConnectionState
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol.http_stream import HTTPStream
 
+from stargate import hypercorn_fixes
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.config import ListenAddress
 from stargate.grpc_asgi import GrpcApp, RpcContext, unary_unary
+from stargate.h2_send_order import RoundRobin
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
@@ -392,9 +394,10 @@ async def in_thread(function: Callable[[], Any]) -> Any:
 
 @pytest.fixture
 def small_priority_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hypercorn's trees hold stream 0 and two more (instead of 999)."""
+    """Each connection's send scheduler (stargate/h2_send_order.py, which replaces Hypercorn's
+    priority tree) holds stream 0 and two more (instead of 999)."""
     monkeypatch.setattr(
-        priority, "PriorityTree", functools.partial(priority.PriorityTree, maximum_streams=3)
+        hypercorn_fixes, "RoundRobin", functools.partial(RoundRobin, maximum_streams=3)
     )
 
 
