@@ -5,11 +5,17 @@ The replica's backend monitors (`stargate/control_plane/health.py`), the Pylon's
 (`stargate/activator/process.py`) all ask the same question the same way: does the engine
 answer its health endpoint with a 2xx in time, and how long did that take. This module answers it
 once; what each caller does with the answer (verdicts, INACTIVE models, routes) stays with it.
+
+The judgement is separate from the HTTP client that carries it (`HttpGet`): the replica probes
+up to a thousand backends a second through the lean h11 connection pool the proxy uses
+(`stargate/control_plane/health.py`, `upstream_get`), where httpx cost about 1 ms of CPU per probe
+(docs/performance.md); the Pylon and the process controller probe one engine or a few, through
+httpx (`httpx_get`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import httpx
 import trio
@@ -17,8 +23,10 @@ import trio
 __all__ = [
     "DEFAULT_HEALTH_PATHS",
     "PROBE_HEADERS",
+    "HttpGet",
     "ProbeFailed",
     "http_health_probe",
+    "httpx_get",
 ]
 
 DEFAULT_HEALTH_PATHS: tuple[str, ...] = ("/health", "/v1/health/ready")
@@ -34,6 +42,14 @@ PROBE_HEADERS: Mapping[str, str] = {
 
 class ProbeFailed(Exception):
     """The backend did not answer its health endpoint with a 2xx in time."""
+
+
+HttpGet = Callable[[str, Mapping[str, str]], Awaitable[int]]
+"""`GET url` with `headers`, the whole body read; returns the status code. A transport failure
+(refused, reset, closed without an answer, a malformed response) raises ProbeFailed naming it.
+A reused keep-alive connection that turns out closed before any response byte is retried once on
+a fresh connection: that says nothing about the backend (see `http_health_probe`). The caller
+bounds the time."""
 
 
 # The errors of a connection the server closed or reset: a reused keep-alive connection that
@@ -65,7 +81,7 @@ class _Exchange:
 
 
 async def http_health_probe(
-    client: httpx.AsyncClient,
+    get: HttpGet,
     base_url: str,
     probe_timeout: float,
     paths: tuple[str, ...] = DEFAULT_HEALTH_PATHS,
@@ -81,11 +97,10 @@ async def http_health_probe(
 
     A pooled keep-alive connection the backend has closed (its keep-alive timeout, a restart) can
     fail the next request before any response, with a reset or a close, when the backend's FIN
-    crosses the request on the wire. That says nothing about the backend, so such a request is
-    sent once more, within the same `probe_timeout`, as the upstream pool does for proxied
-    requests (stargate/proxy/upstream/connection_pool.py). Only a *reused* connection qualifies
-    (httpcore's trace events tell whether the request opened one): a fresh connection failing
-    that way is a failed probe, and so is a retry that fails.
+    crosses the request on the wire. That says nothing about the backend, so `get` sends such a
+    request once more, within the same `probe_timeout`, as the upstream pool does for proxied
+    requests (stargate/proxy/upstream/connection_pool.py). Only a *reused* connection qualifies:
+    a fresh connection failing that way is a failed probe, and so is a retry that fails.
     """
     if not paths:
         raise ValueError("at least one health path is required")
@@ -94,16 +109,30 @@ async def http_health_probe(
         started = trio.current_time()
         try:
             with trio.fail_after(probe_timeout):
-                response = await _get(client, base + path, headers)
-        except (httpx.HTTPError, trio.TooSlowError) as error:
-            raise ProbeFailed(f"{base}{path}: {error!r}") from None
+                status = await get(base + path, headers)
+        except ProbeFailed as error:
+            raise ProbeFailed(f"{base}{path}: {error}") from None
+        except trio.TooSlowError:
+            raise ProbeFailed(f"{base}{path}: no answer within {probe_timeout:g} s") from None
         elapsed_ns = int((trio.current_time() - started) * 1e9)
-        if response.status_code == 404 and path != paths[-1]:
+        if status == 404 and path != paths[-1]:
             continue
-        if 200 <= response.status_code < 300:
+        if 200 <= status < 300:
             return max(elapsed_ns, 1)
-        raise ProbeFailed(f"{base}{path} answered {response.status_code}")
+        raise ProbeFailed(f"{base}{path} answered {status}")
     raise ProbeFailed(f"{base}: no health endpoint")  # pragma: no cover - loop always returns
+
+
+def httpx_get(client: httpx.AsyncClient) -> HttpGet:
+    """`HttpGet` through an httpx client (the Pylon's and the process controller's)."""
+
+    async def get(url: str, headers: Mapping[str, str]) -> int:
+        try:
+            return (await _get(client, url, headers)).status_code
+        except httpx.HTTPError as error:
+            raise ProbeFailed(repr(error)) from None
+
+    return get
 
 
 async def _get(client: httpx.AsyncClient, url: str, headers: Mapping[str, str]) -> httpx.Response:

@@ -72,6 +72,7 @@ from stargate.control_plane.auth import (
     read_token_file,
 )
 from stargate.control_plane.discovery import PublisherConfig, WatchPublisher
+from stargate.control_plane.health import probe_pool, upstream_get
 from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.health_probe import http_health_probe
@@ -155,8 +156,14 @@ class Replica:
             ),
         )
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
+        # The process controller's engine probes (a few engines); backends are probed through
+        # `_probe_pool` (stargate/control_plane/health.py, `probe_pool`).
         self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         proxy = config.proxy
+        self._probe_pool = probe_pool(
+            config.control_plane.health_check_timeout_ms / 1000,
+            ca_file=None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file),
+        )
         self.pool = ConnectionPool(
             UpstreamConfig(
                 connect_timeout=proxy.connect_timeout_ms / 1000,
@@ -184,7 +191,7 @@ class Replica:
             _authenticator(control),
             functools.partial(
                 http_health_probe,
-                self._health_client,
+                upstream_get(self._probe_pool),
                 probe_timeout=control.health_check_timeout_ms / 1000,
             ),
             RegistrationConfig(control.idle_timeout_ms, control.max_idle_timeout_ms),
@@ -406,6 +413,7 @@ class Replica:
                         with trio.move_on_after(STOP_POOL_MEMBERS_SECONDS):
                             await close()
                 await self._health_client.aclose()
+                await self._probe_pool.aclose()
                 await self.pool.aclose()
 
         if self._forced:
@@ -537,6 +545,7 @@ class Replica:
         while True:
             await trio.sleep(self.pool.config.idle_expiry)
             self.pool.close_expired()
+            self._probe_pool.close_expired()
 
     async def _sweep_departed_series(self) -> None:
         """Every sweep interval, release what the replica keeps for backends that left.
@@ -562,7 +571,9 @@ class Replica:
         their origins (each a descriptor and a few KB, otherwise kept until `idle_expiry`), and
         the forwarder's round-robin counters and balancers of clusters and targets that are
         gone. Connections still carrying a stream are left to finish."""
-        self.pool.close_idle_except(r.identity.url for r in live)
+        urls = {r.identity.url for r in live}
+        self.pool.close_idle_except(urls)
+        self._probe_pool.close_idle_except(urls)
         self.forwarder.forget_departed()
 
     def _refresh_backend_connections(self) -> None:

@@ -45,7 +45,7 @@ import httpx
 import trio
 
 from stargate.activator.engine_process import EngineProcess, spawn_engine
-from stargate.health_probe import ProbeFailed, http_health_probe
+from stargate.health_probe import ProbeFailed, http_health_probe, httpx_get
 from stargate.routing.state import (
     AlreadyRegistered,
     BackendRoute,
@@ -153,7 +153,7 @@ class ProcessController:
         self._members = dict(members)
         self._routing = routing
         self._nursery = nursery
-        self._client = health_client
+        self._get = httpx_get(health_client)
         self._host = host
         self._stop_grace = stop_grace
         self._health_interval = health_interval
@@ -377,7 +377,7 @@ class ProcessController:
         without the replica's probe headers, as an engine of our own needs none."""
         try:
             return await http_health_probe(
-                self._client, base_url, limit, (health_path,), headers=_NO_HEADERS
+                self._get, base_url, limit, (health_path,), headers=_NO_HEADERS
             )
         except ProbeFailed:
             return None

@@ -10,23 +10,28 @@ it at once instead of waiting for the Pylon's next update: a Pylon that is froze
 the replica sends no next update, and its engine's routes would otherwise outlive the engine by the
 whole idle timeout (docs/stale-routes.md). How many failures turn the verdict is `ProbeVerdict`'s
 rule, kept pure so it can be tested and changed in one place. The probe itself is the stateless
-`http_health_probe` of `stargate/health_probe.py`, shared with the Pylon and the process controller.
+`http_health_probe` of `stargate/health_probe.py`, shared with the Pylon and the process controller;
+the replica sends it through `upstream_get`, a connection pool of the proxy's lean h11 kind kept
+for probes alone (docs/performance.md, "Control plane").
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
-from stargate.health_probe import ProbeFailed
+from stargate.health_probe import HttpGet, ProbeFailed
+from stargate.proxy.upstream import ConnectionPool, UpstreamConfig, UpstreamError
 
 __all__ = [
     "FAILURES_TO_UNROUTE",
     "HealthMonitor",
     "HealthProbe",
     "ProbeVerdict",
+    "probe_pool",
+    "upstream_get",
 ]
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,46 @@ backend."""
 
 HealthProbe = Callable[[str], Awaitable[int]]
 """Probe a backend base URL; return the round-trip time in nanoseconds or raise ProbeFailed."""
+
+
+def probe_pool(probe_timeout: float, *, ca_file: str | None = None) -> ConnectionPool:
+    """The replica's connection pool for health probes: one kept-alive connection per backend.
+
+    Apart from the proxy's pool so that a backend at `--proxy-max-connections-per-backend`
+    (every slot carrying a stream) is still probed at once rather than after a slot frees, and
+    so that probes never queue behind requests. A probe's connection is reused by the next one
+    a second later, well within `idle_expiry`.
+    """
+    return ConnectionPool(
+        UpstreamConfig(
+            connect_timeout=probe_timeout,
+            response_head_timeout=probe_timeout,
+            pool_acquire_timeout=probe_timeout,
+            max_connections_per_origin=2,
+            max_idle_per_origin=1,
+            idle_expiry=30.0,
+            ca_file=ca_file,
+        )
+    )
+
+
+def upstream_get(pool: ConnectionPool) -> HttpGet:
+    """`HttpGet` through `pool`, whose own stale-connection retry is the one `HttpGet` asks for."""
+    last: tuple[Mapping[str, str], list[tuple[bytes, bytes]]] | None = None
+
+    async def get(url: str, headers: Mapping[str, str]) -> int:
+        nonlocal last
+        if last is None or last[0] is not headers:  # the probe headers are one constant
+            last = (headers, [(k.encode("ascii"), v.encode("latin-1")) for k, v in headers.items()])
+        fields = last[1]
+        try:
+            async with await pool.request("GET", url, fields) as response:
+                await response.read()
+                return response.status
+        except (UpstreamError, ValueError) as error:
+            raise ProbeFailed(repr(error)) from None
+
+    return get
 
 
 class ProbeVerdict:

@@ -36,7 +36,7 @@ import grpc
 import httpx
 import trio
 
-from stargate.health_probe import ProbeFailed, http_health_probe
+from stargate.health_probe import ProbeFailed, http_health_probe, httpx_get
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.pylon.backoff import (
@@ -102,7 +102,7 @@ async def probe_upstream(
     client: httpx.AsyncClient, base_url: str, paths: tuple[str, ...], seconds: float
 ) -> None:
     """Raise ProbeFailed unless the engine is healthy, judged exactly as the replica judges it."""
-    await http_health_probe(client, base_url, seconds, paths)
+    await http_health_probe(httpx_get(client), base_url, seconds, paths)
 
 
 def _channel(target: DialTarget, authority: str | None = None) -> grpc.Channel:
