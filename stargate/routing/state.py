@@ -613,13 +613,18 @@ class RoutingState:
         else:
             # A new heartbeat from this backend supersedes its reservations (docs/data-plane.md).
             cluster.release_backend(identity.inference_server_id)
+        joined = identity.inference_server_id not in cluster.backends
         cluster.backends[identity.inference_server_id] = BackendSnapshot(
             registration, route.stats, route.rtt_ns, route.received_at
         )
         cluster.source_id = identity.inference_server_id
         cluster.refresh()
         state.snapshot = None
-        self._publish(target)
+        if joined:
+            # A heartbeat of a backend already routed leaves the target's count as it was:
+            # counting (a walk over every cluster of the target) is skipped, as a thousand
+            # backends of one model would otherwise make each heartbeat cost O(backends).
+            self._publish(target)
 
     def _remove(
         self, registration: Registration, target: RoutingTargetKey, *, notify: bool = True
