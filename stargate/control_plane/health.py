@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-import trio
-
+from stargate.control_plane.probe_clock import ProbeClock
 from stargate.health_probe import HttpGet, ProbeFailed
 from stargate.proxy.upstream import ConnectionPool, UpstreamConfig, UpstreamError
 
@@ -144,10 +143,12 @@ class HealthMonitor:
         on_healthy: Callable[[], None] | None = None,
         on_verdict: Callable[[bool], None] | None = None,
         failure_threshold: int = FAILURES_TO_UNROUTE,
+        clock: ProbeClock | None = None,
     ) -> None:
         self._url = url
         self._probe = probe
-        self._interval = interval
+        # Monitors of one replica share a clock (stargate/control_plane/probe_clock.py).
+        self._clock = ProbeClock(interval) if clock is None else clock
         self._on_healthy = on_healthy
         self._on_verdict = on_verdict
         self._verdict = ProbeVerdict(failure_threshold)
@@ -165,10 +166,14 @@ class HealthMonitor:
         return self._last_rtt_ns if self._verdict.routable else None
 
     async def run(self) -> None:
-        """Probe forever, one interval apart; cancel to stop."""
-        while True:
-            await self.probe_once()
-            await trio.sleep(self._interval)
+        """Probe now, then at each of the monitor's turns on its clock (one interval apart);
+        cancel to stop."""
+        try:
+            while True:
+                await self.probe_once()
+                await self._clock.wait(self)
+        finally:
+            self._clock.leave(self)
 
     async def probe_once(self) -> int | None:
         try:

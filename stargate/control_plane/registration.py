@@ -51,6 +51,7 @@ from stargate.control_plane.admission import (
 )
 from stargate.control_plane.auth import AuthenticationFailed, Authenticator
 from stargate.control_plane.health import HealthMonitor, HealthProbe
+from stargate.control_plane.probe_clock import ProbeClock
 from stargate.grpc_asgi import GrpcError, GrpcStatus, RequestStream, RpcContext
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import AlreadyRegistered, Registration, RoutingState
@@ -90,6 +91,7 @@ class RegistrationService:
         self._shutting_down = False
         self._leaving = False
         self._held: dict[str, Registration] = {}
+        self._probe_clock = ProbeClock(config.health_interval_seconds)
 
     @property
     def authenticator(self) -> Authenticator:
@@ -208,6 +210,7 @@ class RegistrationService:
             # Every passing probe lifts a connect-failure demotion (docs/data-plane.md, Retries).
             on_healthy=lambda: self._routing.restore(server_id),
             on_verdict=on_verdict,
+            clock=self._probe_clock,
         )
         failure: GrpcError | None = None
         async with trio.open_nursery() as nursery:
