@@ -63,6 +63,8 @@ def aggregate_stats(backends: Sequence[ModelStats], source: ModelStats) -> Model
     backends reporting a finite positive value; the observation time is the newest. Latest-wins
     ("cluster-scoped", the engine is shared by the cluster): taken whole from `source`.
     """
+    if len(backends) == 1 and backends[0] is source and (alone := _aggregate_of_one(source)):
+        return alone  # most clusters have one backend: no new value per heartbeat
     return ModelStats(
         last_mean_input_tps=sum(
             s.last_mean_input_tps
@@ -86,6 +88,19 @@ def aggregate_stats(backends: Sequence[ModelStats], source: ModelStats) -> Model
         total_query_input_size=source.total_query_input_size,
         queue_time_estimate_ms_by_priority=source.queue_time_estimate_ms_by_priority,
     )
+
+
+def _aggregate_of_one(stats: ModelStats) -> ModelStats | None:
+    """What `aggregate_stats([stats], stats)` computes, cheaply; None where it is not `stats`
+    itself or a copy with only `last_mean_input_tps` cleared (label lists with duplicates)."""
+    if len(set(stats.stats_capabilities)) != len(stats.stats_capabilities) or len(
+        set(stats.stats_sources)
+    ) != len(stats.stats_sources):
+        return None
+    tps = stats.last_mean_input_tps
+    if tps == 0 or (math.isfinite(tps) and tps > 0):
+        return stats
+    return replace(stats, last_mean_input_tps=0.0)  # not finite or not positive: not counted
 
 
 def mean_rtt_seconds(rtts_ns: Sequence[int]) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stargate.routing import (
     AlreadyRegistered,
@@ -330,3 +332,33 @@ def test_the_demoted_view_is_a_copy() -> None:
     state.restore("a")
     assert view == {"a"}
     assert state.demoted == frozenset()
+
+
+_labels = st.lists(st.sampled_from(["engine", "pylon", "probe"]), max_size=4).map(tuple)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tps=st.floats(allow_nan=True, allow_infinity=True),
+    capabilities=_labels,
+    sources=_labels,
+    queue=st.integers(min_value=0, max_value=2**40),
+)
+def test_a_one_backend_cluster_aggregates_as_the_general_rule_does(
+    tps: float, capabilities: tuple[str, ...], sources: tuple[str, ...], queue: int
+) -> None:
+    """The one-backend shortcut of `aggregate_stats` (no new value per heartbeat) gives what the
+    general rule gives, field for field."""
+    stats = ModelStats(
+        last_mean_input_tps=tps,
+        queue_size=queue,
+        stats_capabilities=capabilities,
+        stats_sources=sources,
+        stats_observed_at_unix_ms=7,
+    )
+    general = aggregate_stats([stats, ModelStats(stats_observed_at_unix_ms=0)], stats)
+    # The second backend above adds nothing but a 0 to every sum and label list.
+    alone = aggregate_stats([stats], stats)
+    assert alone == general
+    if len(set(capabilities)) == len(capabilities) and len(set(sources)) == len(sources):
+        assert (alone is stats) == (tps == 0 or (math.isfinite(tps) and tps > 0))
