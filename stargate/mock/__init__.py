@@ -1,10 +1,10 @@
 """A mock OpenAI-compatible inference server (`stargate mock-backend`) for demos, tests and
-benchmarks: deterministic answers, streaming and not, with latencies, failures and dropped
-streams controllable at run time through `/test-control`."""
+benchmarks: deterministic answers, streaming and not, with latencies, failures, dropped streams
+and a prefix-cache model controllable at run time through `/test-control`."""
 
 from stargate.mock.app import DroppedConnection, MockBackend, MockBackendConfig
 from stargate.mock.cli import mock_backend_command, run_mock_backend
-from stargate.mock.control import DropMidStream, FailNext, Knobs
+from stargate.mock.control import DropMidStream, FailNext, Knobs, PrefixCacheKnobs
 
 __all__ = [
     "DropMidStream",
@@ -13,6 +13,7 @@ __all__ = [
     "Knobs",
     "MockBackend",
     "MockBackendConfig",
+    "PrefixCacheKnobs",
     "mock_backend_command",
     "run_mock_backend",
 ]

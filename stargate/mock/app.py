@@ -8,13 +8,20 @@ replica can proxy. Its behaviour is steered at run time through `/test-control` 
 Timing of a generation (`ttft_ms`, `inter_token_ms`, `response_delay_ms` are the current knobs):
 
 * streaming: `response_delay_ms`, then the response head (and, for `/v1/responses`, the
-  `response.created` event), then `ttft_ms`, then the first token (chat sends its role chunk
+  `response.created` event), then the TTFT, then the first token (chat sends its role chunk
   just before it), then `inter_token_ms` before each further token, then at once the closing
   events (finish chunk, optional usage chunk, `[DONE]`; or `response.completed`). Every SSE
   event is its own ASGI body message.
-* non-streaming: `response_delay_ms + ttft_ms + (tokens - 1) * inter_token_ms`, then the head
+* non-streaming: `response_delay_ms + TTFT + (tokens - 1) * inter_token_ms`, then the head
   and the whole JSON body.
 * embeddings: `response_delay_ms`, then the JSON body.
+
+The TTFT is `ttft_ms`, or with the prefix-cache model on (`prefix_cache_blocks` > 0, see
+`stargate.mock.prefix_cache`) `ttft_ms * (1 - hit_fraction * prefix_cache_speedup)`, where
+`hit_fraction` is the share of the prompt's text found in the cache when the request was planned
+(the cache is looked up and updated at that moment, in the order requests arrive; see
+docs/mock-backend.md). Every chat, completions and Responses answer that got that far then
+carries `x-mock-prefix-cache-hit-chars` and `x-mock-prefix-cache-prompt-chars`.
 """
 
 from __future__ import annotations
@@ -31,8 +38,17 @@ from typing import Any
 import trio
 
 from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend, answer_lifespan
-from stargate.mock import shapes
-from stargate.mock.control import ControlError, Counters, FailNext, Knobs, apply_control
+from stargate.mock import prefix_cache, shapes
+from stargate.mock.control import (
+    ControlError,
+    Counters,
+    FailNext,
+    Knobs,
+    PrefixCacheKnobs,
+    apply_control,
+    apply_prefix_cache_control,
+)
+from stargate.mock.prefix_cache import PrefixCache
 from stargate.mock.shapes import RequestError
 
 __all__ = [
@@ -55,6 +71,10 @@ _SSE_HEADERS = [
 ]
 # Headers a fail_next spec may not set: the mock frames the body itself.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+HIT_CHARS_HEADER = b"x-mock-prefix-cache-hit-chars"
+PROMPT_CHARS_HEADER = b"x-mock-prefix-cache-prompt-chars"
+
+Headers = tuple[tuple[bytes, bytes], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +87,9 @@ class MockBackendConfig:
     ttft_ms: float = 0.0
     inter_token_ms: float = 0.0
     tokens: int = 16
+    prefix_cache_blocks: int = 0
+    prefix_cache_speedup: float = prefix_cache.DEFAULT_SPEEDUP
+    prefix_cache_block_chars: int = prefix_cache.DEFAULT_BLOCK_CHARS
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -75,10 +98,19 @@ class MockBackendConfig:
             raise ValueError("delays must be non-negative")
         if self.tokens < 1:
             raise ValueError("tokens must be at least 1")
+        self.prefix_cache_knobs()  # validates them
 
     def knobs(self) -> Knobs:
         """The knobs a fresh (or reset) mock starts with."""
         return Knobs(ttft_ms=self.ttft_ms, inter_token_ms=self.inter_token_ms, tokens=self.tokens)
+
+    def prefix_cache_knobs(self) -> PrefixCacheKnobs:
+        """The prefix-cache knobs a fresh (or reset) mock starts with."""
+        return PrefixCacheKnobs(
+            blocks=self.prefix_cache_blocks,
+            speedup=self.prefix_cache_speedup,
+            block_chars=self.prefix_cache_block_chars,
+        )
 
 
 class DroppedConnection(Exception):
@@ -98,6 +130,7 @@ class _Stream:
 
     events: list[tuple[float, bytes]]
     closing: int
+    headers: Headers = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +139,7 @@ class _Reply:
 
     delay: float
     payload: dict[str, Any]
+    headers: Headers = ()
 
 
 def _seconds(milliseconds: float) -> float:
@@ -163,6 +197,11 @@ class MockBackend:
         self._served = frozenset(config.models)
         self.defaults = config.knobs()
         self.knobs = self.defaults
+        self.prefix_cache_defaults = config.prefix_cache_knobs()
+        self.prefix_cache_knobs = self.prefix_cache_defaults
+        self.prefix_cache = PrefixCache(
+            self.prefix_cache_knobs.blocks, self.prefix_cache_knobs.block_chars
+        )
         self.counters = Counters()
         self.in_flight = 0
         self._ids = itertools.count(1)
@@ -278,9 +317,10 @@ class MockBackend:
         """`GET /test-control`: the knobs (valid `POST` input), models, in-flight and counters."""
         return {
             **self.knobs.to_json(),
+            **self.prefix_cache_knobs.to_json(),
             "models": list(self.models),
             "in_flight": self.in_flight,
-            "counters": self.counters.to_json(),
+            "counters": self.counters.to_json(cached_blocks=len(self.prefix_cache)),
         }
 
     async def _control(
@@ -294,13 +334,20 @@ class MockBackend:
                 await self._json(scope, send, 400, shapes.error_body(message))
                 return
             try:
-                self.knobs, reset = apply_control(payload, self.knobs, self.defaults)
+                knobs, reset = apply_control(payload, self.knobs, self.defaults)
+                cache_knobs = apply_prefix_cache_control(
+                    payload, self.prefix_cache_knobs, self.prefix_cache_defaults, reset=reset
+                )
             except ControlError as error:
                 await self._json(scope, send, 400, shapes.error_body(str(error)))
                 return
+            self.knobs, self.prefix_cache_knobs = knobs, cache_knobs
             if reset:
                 self.counters = Counters()
-            log.info("test-control: %s", self.knobs)
+                self.prefix_cache.clear()
+            evicted = self.prefix_cache.configure(cache_knobs.blocks, cache_knobs.block_chars)
+            self.counters.prefix_cache.evicted_blocks += evicted
+            log.info("test-control: %s %s", self.knobs, self.prefix_cache_knobs)
         await self._json(scope, send, 200, self.snapshot())
 
     # ---------------------------------------------------------------- inference endpoints
@@ -422,7 +469,7 @@ class MockBackend:
         payload = planned.payload
         if _header(scope, b"x-mock-echo-headers") == b"1":
             payload = {**payload, "mock_request_headers": _received_headers(scope)}
-        await self._json(scope, send, 200, payload)
+        await self._json(scope, send, 200, payload, list(planned.headers))
 
     async def _stream(
         self,
@@ -433,7 +480,7 @@ class MockBackend:
         state: dict[str, bool],
     ) -> bool:
         """Send the SSE stream; True if it stopped after `drop_after` events to be aborted."""
-        headers = [*_SSE_HEADERS, *self._common_headers(scope)]
+        headers = [*_SSE_HEADERS, *planned.headers, *self._common_headers(scope)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         events = planned.events
         limit = len(events) if drop_after is None else drop_after
@@ -458,19 +505,37 @@ class MockBackend:
         from_header = shapes.header_token_count(_header(scope, b"x-input-tokens"))
         return from_header if from_header is not None else shapes.estimate_tokens(text)
 
+    def _prefill(
+        self, knobs: Knobs, cache_text: Callable[[dict[str, Any]], str], request: dict[str, Any]
+    ) -> tuple[float, Headers]:
+        """The request's TTFT in milliseconds and its prefix-cache headers; with the model on,
+        looks the prompt up and inserts it (call it once the request is known to be valid)."""
+        cache_knobs = self.prefix_cache_knobs
+        if not cache_knobs.enabled:
+            return knobs.ttft_ms, ()
+        lookup = self.prefix_cache.lookup_and_insert(cache_text(request))
+        self.counters.prefix_cache.count(lookup)
+        ttft_ms = prefix_cache.ttft_ms(knobs.ttft_ms, lookup.hit_fraction, cache_knobs.speedup)
+        headers = (
+            (HIT_CHARS_HEADER, str(lookup.hit_chars).encode()),
+            (PROMPT_CHARS_HEADER, str(lookup.prompt_chars).encode()),
+        )
+        return ttft_ms, headers
+
     def _plan_chat(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
     ) -> _Stream | _Reply:
         prompt = self._prompt_tokens(scope, shapes.chat_prompt_text(request))
         limit = shapes.max_tokens_field(request, "max_completion_tokens", "max_tokens")
         tokens = knobs.tokens if limit is None else min(limit, knobs.tokens)
+        ttft_ms, headers = self._prefill(knobs, shapes.chat_cache_text, request)
         model: str = request["model"]
         response_id = f"chatcmpl-mock-{self._next_id()}"
         created = int(time.time())
         if request.get("stream") is not True:
             text = shapes.answer_text(tokens)
             payload = shapes.chat_completion(response_id, created, model, text, prompt, tokens)
-            return _Reply(_generation_delay(knobs, tokens), payload)
+            return _Reply(_generation_delay(knobs, ttft_ms, tokens), payload, headers)
         include_usage = _include_usage(request)
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -479,7 +544,7 @@ class MockBackend:
             )
             return shapes.sse_data(payload)
 
-        ttft, gap = _seconds(knobs.ttft_ms), _seconds(knobs.inter_token_ms)
+        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         events = [(ttft, chunk({"role": "assistant", "content": ""}))]
         events += [
             (0.0 if index == 0 else gap, chunk({"content": shapes.token_text(index)}))
@@ -491,7 +556,7 @@ class MockBackend:
             usage = shapes.chat_usage_chunk(response_id, created, model, prompt, tokens)
             events.append((0.0, shapes.sse_data(usage)))
         events.append((0.0, shapes.SSE_DONE))
-        return _Stream(events, closing)
+        return _Stream(events, closing, headers)
 
     def _plan_completion(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
@@ -499,13 +564,14 @@ class MockBackend:
         prompt = self._prompt_tokens(scope, shapes.prompt_text(request))
         limit = shapes.max_tokens_field(request, "max_tokens")
         tokens = knobs.tokens if limit is None else min(limit, knobs.tokens)
+        ttft_ms, headers = self._prefill(knobs, shapes.completion_cache_text, request)
         model: str = request["model"]
         response_id = f"cmpl-mock-{self._next_id()}"
         created = int(time.time())
         if request.get("stream") is not True:
             text = shapes.answer_text(tokens)
             payload = shapes.completion(response_id, created, model, text, prompt, tokens)
-            return _Reply(_generation_delay(knobs, tokens), payload)
+            return _Reply(_generation_delay(knobs, ttft_ms, tokens), payload, headers)
         include_usage = _include_usage(request)
 
         def chunk(text: str, finish: str | None = None) -> bytes:
@@ -514,7 +580,7 @@ class MockBackend:
             )
             return shapes.sse_data(payload)
 
-        ttft, gap = _seconds(knobs.ttft_ms), _seconds(knobs.inter_token_ms)
+        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         events = [
             (ttft if index == 0 else gap, chunk(shapes.token_text(index)))
             for index in range(tokens)
@@ -525,7 +591,7 @@ class MockBackend:
             usage = shapes.completion_usage_chunk(response_id, created, model, prompt, tokens)
             events.append((0.0, shapes.sse_data(usage)))
         events.append((0.0, shapes.SSE_DONE))
-        return _Stream(events, closing)
+        return _Stream(events, closing, headers)
 
     def _plan_responses(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
@@ -533,6 +599,7 @@ class MockBackend:
         prompt = self._prompt_tokens(scope, shapes.responses_input_text(request))
         limit = shapes.max_tokens_field(request, "max_output_tokens")
         tokens = knobs.tokens if limit is None else min(limit, knobs.tokens)
+        ttft_ms, headers = self._prefill(knobs, shapes.responses_cache_text, request)
         model: str = request["model"]
         number = self._next_id()
         response_id, message_id = f"resp_mock_{number}", f"msg_mock_{number}"
@@ -552,11 +619,11 @@ class MockBackend:
             )
 
         if request.get("stream") is not True:
-            return _Reply(_generation_delay(knobs, tokens), response("completed"))
+            return _Reply(_generation_delay(knobs, ttft_ms, tokens), response("completed"), headers)
         created_event = {"type": "response.created", "sequence_number": 0}
         created_event["response"] = response("in_progress")
         events = [(0.0, shapes.sse_event("response.created", created_event))]
-        ttft, gap = _seconds(knobs.ttft_ms), _seconds(knobs.inter_token_ms)
+        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         for index in range(tokens):
             delta = {
                 "type": "response.output_text.delta",
@@ -576,7 +643,7 @@ class MockBackend:
             "response": response("completed"),
         }
         events.append((0.0, shapes.sse_event("response.completed", completed)))
-        return _Stream(events, closing)
+        return _Stream(events, closing, headers)
 
     def _plan_embeddings(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
@@ -626,9 +693,9 @@ class MockBackend:
         await self._inference(scope, body, receive, send, MockBackend._plan_embeddings)
 
 
-def _generation_delay(knobs: Knobs, tokens: int) -> float:
+def _generation_delay(knobs: Knobs, ttft_ms: float, tokens: int) -> float:
     """How long a non-streaming generation of `tokens` tokens takes (TTFT, then decoding)."""
-    return _seconds(knobs.ttft_ms + max(tokens - 1, 0) * knobs.inter_token_ms)
+    return _seconds(ttft_ms + max(tokens - 1, 0) * knobs.inter_token_ms)
 
 
 def _include_usage(request: dict[str, Any]) -> bool:

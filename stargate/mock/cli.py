@@ -23,6 +23,7 @@ from stargate.clitools import log_format_option, log_level_option, option
 from stargate.config import ListenAddress
 from stargate.logs import configure_logging
 from stargate.mock.app import MockBackend, MockBackendConfig, drop_filter
+from stargate.mock.prefix_cache import DEFAULT_BLOCK_CHARS, DEFAULT_SPEEDUP
 
 __all__ = ["SHUTDOWN_GRACE_SECONDS", "mock_backend_command", "run_mock_backend"]
 
@@ -127,6 +128,13 @@ def _ip_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(f"{value!r} is not an IP address", ctx, param) from None
 
 
+def _fraction(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """Refuses NaN, which `click.FloatRange` lets through."""
+    if not 0.0 <= value <= 1.0:
+        raise click.BadParameter(f"{value} is not a number between 0 and 1", ctx, param)
+    return value
+
+
 def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
     """Repeatable, and each value may also be comma-separated; duplicates are dropped."""
     models = [item.strip() for raw in value for item in raw.split(",") if item.strip()]
@@ -185,6 +193,31 @@ def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     default=16,
     help="Tokens per answer; a request's max_tokens lowers it (initial `tokens` knob).",
 )
+@option(
+    "--prefix-cache-blocks",
+    envvar="STARGATE_MOCK_PREFIX_CACHE_BLOCKS",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Capacity of the prefix-cache model, in blocks (LRU); 0 turns it off. With it on, a "
+    "prompt's cached share cuts its time to first token (initial `prefix_cache_blocks` knob).",
+)
+@option(
+    "--prefix-cache-speedup",
+    envvar="STARGATE_MOCK_PREFIX_CACHE_SPEEDUP",
+    type=click.FloatRange(min=0, max=1),
+    default=DEFAULT_SPEEDUP,
+    callback=_fraction,
+    help="Share of the TTFT a fully cached prompt saves, from 0 to 1: TTFT = ttft_ms * (1 - "
+    "cached share * this) (initial `prefix_cache_speedup` knob).",
+)
+@option(
+    "--prefix-cache-block-chars",
+    envvar="STARGATE_MOCK_PREFIX_CACHE_BLOCK_CHARS",
+    type=click.IntRange(min=1),
+    default=DEFAULT_BLOCK_CHARS,
+    help="Characters per prefix-cache block (64 is about 16 tokens); only whole blocks are "
+    "cached (initial `prefix_cache_block_chars` knob).",
+)
 @log_level_option("STARGATE_MOCK_LOG_LEVEL")
 @log_format_option("STARGATE_MOCK_LOG_FORMAT")
 def mock_backend_command(
@@ -194,6 +227,9 @@ def mock_backend_command(
     ttft_ms: float,
     inter_token_ms: float,
     tokens: int,
+    prefix_cache_blocks: int,
+    prefix_cache_speedup: float,
+    prefix_cache_block_chars: int,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -202,7 +238,7 @@ def mock_backend_command(
     It serves POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/embeddings
     (streaming and not), GET /v1/models and GET /health, with deterministic answers. GET/POST
     /test-control reads and changes its knobs at run time (latencies, health, injected failures,
-    dropped streams) and reads its request counters.
+    dropped streams, the prefix-cache model) and reads its request and prefix-cache counters.
     """
     configure_logging(log_level, log_format)
     config = MockBackendConfig(
@@ -212,5 +248,8 @@ def mock_backend_command(
         ttft_ms=ttft_ms,
         inter_token_ms=inter_token_ms,
         tokens=tokens,
+        prefix_cache_blocks=prefix_cache_blocks,
+        prefix_cache_speedup=prefix_cache_speedup,
+        prefix_cache_block_chars=prefix_cache_block_chars,
     )
     sys.exit(trio.run(functools.partial(_serve_until_signalled, config)))

@@ -1,8 +1,11 @@
 """The mock backend's run-time knobs and counters, and the pure validation of `/test-control`.
 
-`POST /test-control` takes a JSON object whose keys are a subset of `KNOB_KEYS` plus `reset`;
-`GET /test-control` answers the same knob keys (so its output is valid input) together with the
-served models, the in-flight count and the counters.
+`POST /test-control` takes a JSON object whose keys are a subset of `KNOB_KEYS`,
+`PREFIX_CACHE_KEYS` and `reset`; `GET /test-control` answers the same knob keys (so its output is
+valid input) together with the served models, the in-flight count and the counters. The
+prefix-cache model's knobs (`PrefixCacheKnobs`) are kept apart from the generation knobs
+(`Knobs`): `apply_control` validates the body as a whole and `apply_prefix_cache_control` reads
+their keys from it.
 """
 
 from __future__ import annotations
@@ -11,15 +14,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from stargate.mock.prefix_cache import DEFAULT_BLOCK_CHARS, DEFAULT_SPEEDUP, Lookup
+
 __all__ = [
     "ENDPOINTS",
     "KNOB_KEYS",
+    "PREFIX_CACHE_KEYS",
     "ControlError",
     "Counters",
     "DropMidStream",
     "FailNext",
     "Knobs",
+    "PrefixCacheCounters",
+    "PrefixCacheKnobs",
     "apply_control",
+    "apply_prefix_cache_control",
 ]
 
 # Counter keys of `counters.requests`: one per route, plus `not_found` for unknown paths.
@@ -44,6 +53,10 @@ KNOB_KEYS: frozenset[str] = frozenset(
         "fail_next",
         "drop_mid_stream",
     }
+)
+
+PREFIX_CACHE_KEYS: frozenset[str] = frozenset(
+    {"prefix_cache_blocks", "prefix_cache_speedup", "prefix_cache_block_chars"}
 )
 
 
@@ -104,6 +117,68 @@ class Knobs:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheKnobs:
+    """The prefix-cache model's knobs (stargate/mock/prefix_cache.py); `blocks` 0 turns it off.
+
+    `speedup` in [0, 1] is the share of `ttft_ms` a fully cached prompt saves; `block_chars` the
+    characters of one cache block.
+    """
+
+    blocks: int = 0
+    speedup: float = DEFAULT_SPEEDUP
+    block_chars: int = DEFAULT_BLOCK_CHARS
+
+    def __post_init__(self) -> None:
+        if self.blocks < 0:
+            raise ValueError("prefix-cache blocks must be non-negative")
+        if not 0.0 <= self.speedup <= 1.0:
+            raise ValueError("prefix-cache speedup must be between 0 and 1")
+        if self.block_chars < 1:
+            raise ValueError("prefix-cache block size must be at least 1 character")
+
+    @property
+    def enabled(self) -> bool:
+        return self.blocks > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prefix_cache_blocks": self.blocks,
+            "prefix_cache_speedup": self.speedup,
+            "prefix_cache_block_chars": self.block_chars,
+        }
+
+
+@dataclass(slots=True)
+class PrefixCacheCounters:
+    """Prefix-cache lookups (one per chat, completions or Responses request answered while the
+    model is on) and what they found."""
+
+    lookups: int = 0
+    hits: int = 0  # lookups that found at least one cached block
+    hit_chars: int = 0
+    prompt_chars: int = 0
+    evicted_blocks: int = 0
+
+    def count(self, lookup: Lookup) -> None:
+        self.lookups += 1
+        if lookup.hit_blocks:
+            self.hits += 1
+        self.hit_chars += lookup.hit_chars
+        self.prompt_chars += lookup.prompt_chars
+        self.evicted_blocks += lookup.evicted_blocks
+
+    def to_json(self, cached_blocks: int) -> dict[str, Any]:
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_chars": self.hit_chars,
+            "prompt_chars": self.prompt_chars,
+            "evicted_blocks": self.evicted_blocks,
+            "cached_blocks": cached_blocks,
+        }
+
+
 @dataclass(slots=True)
 class Counters:
     """Request counters since start or the last reset."""
@@ -113,14 +188,17 @@ class Counters:
     injected_failures: int = 0
     dropped_streams: int = 0
     client_disconnects: int = 0
+    prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, cached_blocks: int = 0) -> dict[str, Any]:
+        """The counters; `cached_blocks` (the prefix cache's size now) goes with its counters."""
         return {
             "requests_total": self.requests_total,
             "requests": dict(self.requests),
             "injected_failures": self.injected_failures,
             "dropped_streams": self.dropped_streams,
             "client_disconnects": self.client_disconnects,
+            "prefix_cache": self.prefix_cache.to_json(cached_blocks),
         }
 
 
@@ -193,7 +271,7 @@ def apply_control(payload: Any, current: Knobs, defaults: Knobs) -> tuple[Knobs,
     """
     if not isinstance(payload, dict):
         raise ControlError("the test-control body must be a JSON object")
-    unknown = sorted(set(payload) - KNOB_KEYS - {"reset"})
+    unknown = sorted(set(payload) - KNOB_KEYS - PREFIX_CACHE_KEYS - {"reset"})
     if unknown:
         raise ControlError(f"unknown test-control key(s): {', '.join(unknown)}")
     reset = payload.get("reset", False)
@@ -215,3 +293,31 @@ def apply_control(payload: Any, current: Knobs, defaults: Knobs) -> tuple[Knobs,
         changes["drop_mid_stream"] = _drop_mid_stream(payload["drop_mid_stream"])
     base = defaults if reset else current
     return dataclasses.replace(base, **changes), reset
+
+
+def apply_prefix_cache_control(
+    payload: dict[str, Any], current: PrefixCacheKnobs, defaults: PrefixCacheKnobs, *, reset: bool
+) -> PrefixCacheKnobs:
+    """The prefix-cache knobs after a `/test-control` body that `apply_control` accepted.
+
+    Raises `ControlError` for an invalid value (`prefix_cache_blocks` an integer >= 0,
+    `prefix_cache_speedup` a number in [0, 1], `prefix_cache_block_chars` an integer >= 1);
+    with `reset` the body's values apply on top of `defaults`.
+    """
+    changes: dict[str, Any] = {}
+    if "prefix_cache_blocks" in payload:
+        changes["blocks"] = _int("prefix_cache_blocks", payload["prefix_cache_blocks"], 0)
+    if "prefix_cache_speedup" in payload:
+        value = payload["prefix_cache_speedup"]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value <= 1  # also refuses NaN
+        ):
+            raise ControlError("'prefix_cache_speedup' must be a number between 0 and 1")
+        changes["speedup"] = float(value)
+    if "prefix_cache_block_chars" in payload:
+        value = payload["prefix_cache_block_chars"]
+        changes["block_chars"] = _int("prefix_cache_block_chars", value, 1)
+    base = defaults if reset else current
+    return dataclasses.replace(base, **changes)

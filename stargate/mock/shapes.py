@@ -16,11 +16,13 @@ __all__ = [
     "TOKENS",
     "RequestError",
     "answer_text",
+    "chat_cache_text",
     "chat_chunk",
     "chat_completion",
     "chat_prompt_text",
     "chat_usage_chunk",
     "completion",
+    "completion_cache_text",
     "completion_chunk",
     "completion_usage_chunk",
     "dumps",
@@ -34,6 +36,7 @@ __all__ = [
     "models_list",
     "prompt_text",
     "response_object",
+    "responses_cache_text",
     "responses_input_text",
     "sse_data",
     "sse_event",
@@ -185,6 +188,66 @@ def responses_input_text(body: dict[str, Any]) -> str:
             _content_text(item.get("content")) for item in value if isinstance(item, dict)
         )
     raise RequestError("'input' must be a string or an array")
+
+
+# The prompt text the prefix-cache model sees (stargate/mock/prefix_cache.py). Chat messages and
+# Responses input items are framed as `role NUL content NUL` each, in order, a chat template of
+# sorts: the text of a conversation starts with the text of its earlier turns, and message
+# boundaries are part of it. A NUL or \x01 inside a role or a content (JSON can encode them,
+# prompts hardly ever hold them) is escaped as \x01\x02 or \x01\x01, so the framing is
+# unambiguous.
+_SEPARATOR = "\x00"
+
+
+def _framed(role: Any, content: Any) -> str:
+    parts = []
+    for text in (role if isinstance(role, str) else "", _content_text(content)):
+        if "\x00" in text or "\x01" in text:
+            text = text.replace("\x01", "\x01\x01").replace("\x00", "\x01\x02")
+        parts.append(text)
+    return parts[0] + _SEPARATOR + parts[1] + _SEPARATOR
+
+
+def chat_cache_text(body: dict[str, Any]) -> str:
+    """The prefix-cache text of a chat request: each message's role and content, framed."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    return "".join(
+        _framed(message.get("role"), message.get("content"))
+        for message in messages
+        if isinstance(message, dict)
+    )
+
+
+def completion_cache_text(body: dict[str, Any]) -> str:
+    """The prefix-cache text of a completions request: the prompt string, or the items of a
+    prompt array (strings as they are, token ids as compact JSON) joined by NUL."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return _SEPARATOR.join(
+            item if isinstance(item, str) else dumps(item).decode() for item in prompt
+        )
+    return ""
+
+
+def responses_cache_text(body: dict[str, Any]) -> str:
+    """The prefix-cache text of a Responses API request: `instructions` as a system message,
+    then the input (a string as one user message, or the items' roles and contents), framed."""
+    instructions = body.get("instructions")
+    text = _framed("system", instructions) if isinstance(instructions, str) else ""
+    value = body.get("input")
+    if isinstance(value, str):
+        return text + _framed("user", value)
+    if isinstance(value, list):
+        text += "".join(
+            _framed(item.get("role"), item.get("content"))
+            for item in value
+            if isinstance(item, dict)
+        )
+    return text
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -1,0 +1,167 @@
+"""The mock backend's prefix-cache model: an LRU of prompt blocks, as vLLM's prefix caching.
+
+Pure (no I/O, no clock) and deterministic: the state depends only on the prompts looked up, in
+order. See docs/mock-backend.md for the model as a whole.
+
+* A prompt is a string (`stargate.mock.shapes.chat_cache_text` and friends build it). It is cut
+  into blocks of `block_chars` characters; only whole blocks are cached (a prompt's last, partial
+  block never is, so a prompt shorter than one block never hits).
+* Block `i` is identified by a chain hash, `h[i] = blake2b(h[i-1] + utf8(block i))` with `h[-1]`
+  sixteen zero bytes, so a block's identity covers everything before it.
+* `lookup_and_insert` answers how many leading blocks of the prompt are cached (it stops at the
+  first one that is not) and then inserts or refreshes every whole block of the prompt. The
+  blocks are refreshed last block first, so a prompt's first block is the most recently used:
+  when the cache is full, eviction (least recently used first) takes a chain's tail before its
+  head, as vLLM's free-block queue does, and a prompt longer than the capacity keeps its first
+  `capacity` blocks.
+* `ttft_ms` scales the time to first token by the cached fraction of the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_BLOCK_CHARS",
+    "DEFAULT_SPEEDUP",
+    "Lookup",
+    "PrefixCache",
+    "block_hashes",
+    "ttft_ms",
+]
+
+# 64 characters is about 16 tokens at the mock's four characters a token (vLLM's default block
+# size is 16 tokens).
+DEFAULT_BLOCK_CHARS = 64
+DEFAULT_SPEEDUP = 0.9
+
+_DIGEST_BYTES = 16
+_ROOT = bytes(_DIGEST_BYTES)
+
+
+def block_hashes(text: str, block_chars: int) -> list[bytes]:
+    """The chain hashes of the whole `block_chars`-character blocks of `text`, in order."""
+    if block_chars < 1:
+        raise ValueError("block_chars must be at least 1")
+    hashes: list[bytes] = []
+    previous = _ROOT
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        block = text[start : start + block_chars].encode("utf-8", "surrogatepass")
+        previous = hashlib.blake2b(previous + block, digest_size=_DIGEST_BYTES).digest()
+        hashes.append(previous)
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What one prompt found in the cache.
+
+    `hit_chars` is `hit_blocks * block_chars`; `prompt_chars` the prompt's whole length
+    (its partial last block included); `evicted_blocks` how many blocks its insertion pushed out.
+    """
+
+    prompt_chars: int
+    hit_blocks: int
+    hit_chars: int
+    evicted_blocks: int = 0
+
+    @property
+    def hit_fraction(self) -> float:
+        """The cached share of the prompt, in [0, 1] (0 for an empty prompt)."""
+        return self.hit_chars / self.prompt_chars if self.prompt_chars else 0.0
+
+
+def ttft_ms(base_ms: float, hit_fraction: float, speedup: float) -> float:
+    """The time to first token of a request: `base_ms * (1 - hit_fraction * speedup)`.
+
+    `speedup` in [0, 1] is the share of `base_ms` a fully cached prompt saves.
+    """
+    return base_ms * (1.0 - hit_fraction * speedup)
+
+
+class PrefixCache:
+    """An LRU of at most `capacity` prompt blocks of `block_chars` characters (0 = off)."""
+
+    def __init__(self, capacity: int = 0, block_chars: int = DEFAULT_BLOCK_CHARS) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be non-negative")
+        if block_chars < 1:
+            raise ValueError("block_chars must be at least 1")
+        self._capacity = capacity
+        self._block_chars = block_chars
+        # Least recently used first; the values are unused.
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def block_chars(self) -> int:
+        return self._block_chars
+
+    def __len__(self) -> int:
+        """The number of blocks cached now."""
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def configure(self, capacity: int, block_chars: int) -> int:
+        """Change the capacity and block size; returns the number of blocks evicted.
+
+        A new block size empties the cache (its hashes no longer match any prompt's blocks);
+        a lower capacity evicts least recently used blocks down to it.
+        """
+        if capacity < 0:
+            raise ValueError("capacity must be non-negative")
+        if block_chars < 1:
+            raise ValueError("block_chars must be at least 1")
+        evicted = 0
+        if block_chars != self._block_chars:
+            evicted = len(self._blocks)
+            self._blocks.clear()
+        self._capacity = capacity
+        self._block_chars = block_chars
+        return evicted + self._evict()
+
+    def cached_blocks(self, text: str) -> int:
+        """How many leading whole blocks of `text` are cached (no change to the LRU order)."""
+        hits = 0
+        for block_hash in block_hashes(text, self._block_chars):
+            if block_hash not in self._blocks:
+                break
+            hits += 1
+        return hits
+
+    def lookup_and_insert(self, text: str) -> Lookup:
+        """Look `text` up, then insert or refresh all its whole blocks (see the module doc)."""
+        hashes = block_hashes(text, self._block_chars)
+        blocks = self._blocks
+        hits = 0
+        for block_hash in hashes:
+            if block_hash not in blocks:
+                break
+            hits += 1
+        evicted = 0
+        if self._capacity > 0:
+            for block_hash in reversed(hashes):
+                if block_hash in blocks:
+                    blocks.move_to_end(block_hash)
+                else:
+                    blocks[block_hash] = None
+            evicted = self._evict()
+        return Lookup(len(text), hits, hits * self._block_chars, evicted)
+
+    def _evict(self) -> int:
+        blocks = self._blocks
+        evicted = 0
+        while len(blocks) > self._capacity:
+            blocks.popitem(last=False)
+            evicted += 1
+        return evicted
