@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
@@ -39,21 +43,51 @@ def protos(session: nox.Session) -> None:
     session.run("python", "-m", "stargate.protocol.generate")
 
 
-BENCH_EXTRAS = {"proxy": ".[test]", "capacity": ".[test,bench]"}
+def _pyenv_python(version: str) -> str:
+    """`version` as nox should look for it, or the newest pyenv interpreter of that version when
+    none is on PATH (pyenv's shims only answer for the versions `pyenv` has selected)."""
+    on_path = shutil.which(f"python{version}")
+    if on_path and "shims" not in Path(on_path).parts:
+        return version
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found = sorted(
+        (root / "versions").glob(f"{version}.*/bin/python{version}"),
+        key=lambda path: [int(part) for part in path.parts[-3].split(".") if part.isdigit()],
+    )
+    return str(found[-1]) if found else version
+
+
+BENCH_PARTS = {"proxy", "stream", "registration", "readiness", "activator", "capacity"}
+
+
+def _bench(session: nox.Session) -> None:
+    session.install("-e", ".[test,bench]")
+    parts = set(session.posargs) & BENCH_PARTS
+    wants_nginx = not parts or "proxy" in parts
+    if wants_nginx and not (shutil.which("nginx") or Path("/usr/sbin/nginx").exists()):
+        if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+            session.log("nginx is missing: trying apt-get install -y nginx-light")
+            session.run(
+                "apt-get", "install", "-y", "nginx-light", external=True, success_codes=[0, 100]
+            )
+        else:
+            session.log("nginx is missing (and this is not root): the proxy part skips it")
+    session.run("python", "-m", "benchmarks", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks on loopback: `nox -s bench -- proxy [--quick]` (see benchmarks/proxy.py) and
-    `nox -s bench -- capacity [--quick]` (see benchmarks/capacity.py; writes bench-results/)."""
-    if not session.posargs or session.posargs[0] not in BENCH_EXTRAS:
-        session.error(
-            "usage: nox -s bench -- proxy [--quick] [options; see --help]\n"
-            "       nox -s bench -- capacity [--quick] [options; see --help]"
-        )
-    part = session.posargs[0]
-    session.install("-e", BENCH_EXTRAS[part])
-    session.run("python", "-m", f"benchmarks.{part}", *session.posargs[1:])
+    """The loopback benchmark suite (benchmarks/__main__.py): `nox -s bench` runs proxy, stream,
+    registration, readiness and activator; `nox -s bench -- NAME [NAME...] [--quick]
+    [--profile] [options; see --help]` chosen parts (`capacity` only when named). Results in
+    bench-results/ (<part>.md, <part>.json, charts, summary.md)."""
+    _bench(session)
+
+
+@nox.session(name="bench-3.13", python=_pyenv_python("3.13"))
+def bench_313(session: nox.Session) -> None:
+    """The same suite with everything (the replica under test included) on Python 3.13."""
+    _bench(session)
 
 
 @nox.session(python=PYTHON)

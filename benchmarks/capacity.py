@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import resource
 import select
 import signal
 import subprocess
@@ -63,14 +62,18 @@ from benchmarks.common import (
     Deadline,
     Processes,
     Registration,
+    Replica,
+    cpu_model,
     cpu_seconds,
-    free_ports,
     log_tail,
-    memory_kib,
+    python_version,
+    raise_open_file_limit,
     read_line,
+    server_python,
     start_printing_server,
     wait_until,
 )
+from benchmarks.common import start_replica as common_start_replica
 from benchmarks.h11_client import read_response
 
 MODEL = "bench-model"
@@ -405,15 +408,6 @@ def loadgen_main() -> None:
 # ---- this process: servers, registrations, readings ---------------------------------------------
 
 
-def raise_open_file_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit (children inherit it); the new soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
 class LoadGen:
     """Handle of the load-generator process."""
 
@@ -492,75 +486,11 @@ class Heartbeats:
         self._thread.join(timeout=5)
 
 
-@dataclass
-class Replica:
-    process: subprocess.Popen[Any]
-    http: int
-    grpc: int
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def reading(self) -> tuple[int, int, float]:
-        """(VmRSS KiB, VmHWM KiB, CPU seconds) of the replica now."""
-        if self.process.poll() is not None:
-            raise BenchError(f"the replica exited\n{log_tail(self.log_path)}")
-        rss, hwm = memory_kib(self.pid)
-        return rss, hwm, cpu_seconds(self.pid)
-
-
 def start_replica(
     procs: Processes, log_dir: Path, name: str, max_connections: int, deadline: Deadline
 ) -> Replica:
-    """A `stargate serve` on free loopback ports, answering /healthz (three tries at ports)."""
-    import httpx
-
-    for attempt in range(3):
-        http, grpc_port, discovery, metrics = free_ports(4)
-        log_path = log_dir / f"{name}-{attempt}.log"
-        with log_path.open("wb") as log:
-            process = procs.spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "stargate",
-                    "serve",
-                    f"--stargate-id={name}",
-                    f"--http-listen-addr=127.0.0.1:{http}",
-                    f"--listen-addr=127.0.0.1:{grpc_port}",
-                    f"--model-discovery-listen-addr=127.0.0.1:{discovery}",
-                    f"--metrics-listen-addr=127.0.0.1:{metrics}",
-                    f"--max-client-connections={max_connections}",
-                    "--readiness-warmup-ms=0",
-                    "--disable-dns-discovery",
-                    "--shutdown-delay-ms=0",
-                    "--shutdown-drain-timeout-ms=1000",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stop_signal=signal.SIGINT,  # SIGINT: no leave phase
-                start_new_session=True,
-            )
-        replica = Replica(process, http, grpc_port, log_path)
-        healthz = f"http://127.0.0.1:{http}/healthz"
-        with httpx.Client(trust_env=False, timeout=5) as client:
-            try:
-                wait_until(
-                    lambda: client.get(healthz).status_code == 200,  # noqa: B023 (called at once)
-                    deadline.left(30),
-                    f"{name}'s /healthz",
-                    process,
-                    log_path,
-                )
-            except BenchError:
-                procs.stop(process)
-                if attempt == 2 or process.returncode == 0:
-                    raise
-                continue  # most likely a port taken between the pick and the bind
-        return replica
-    raise AssertionError("unreachable")
+    """A `stargate serve` on free loopback ports, answering /healthz (benchmarks.common)."""
+    return common_start_replica(procs, log_dir, name, deadline, max_connections=max_connections)
 
 
 def catalogue_models(index: int) -> list[str]:
@@ -1009,16 +939,6 @@ def _bytes(value: float) -> str:
     return f"{value:,.0f} B"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 @dataclass
 class Estimate:
     baseline_mib: float
@@ -1296,7 +1216,7 @@ def run(settings: Settings, procs: Processes, log_dir: Path, deadline: Deadline)
     mock, mock_port = start_printing_server(
         procs,
         [
-            sys.executable,
+            server_python(),
             "-m",
             "stargate",
             "mock-backend",
@@ -1365,7 +1285,7 @@ def main(argv: list[str] | None = None) -> int:
     est = estimate(parts, summaries)
     now = datetime.datetime.now(datetime.UTC)
     machine = (
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({_cpu_model()}), "
+        f"Python {python_version(server_python())}, {os.cpu_count()} CPUs ({cpu_model()}), "
         f"{platform.system()} {platform.release()}, loopback"
     )
     header = (

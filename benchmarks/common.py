@@ -1,39 +1,71 @@
-"""Pieces the loopback benchmarks share (benchmarks/proxy.py, benchmarks/capacity.py): process
-handles, free ports, `/proc` readings and a Pylon-like registration stream."""
+"""Pieces the loopback benchmarks share (every part of `python -m benchmarks`, and
+benchmarks/capacity.py): process handles, free ports, `/proc` readings, a Pylon-like registration
+stream, a replica launcher, py-spy profiling and the result files (`bench-results/<part>.md`,
+`<part>.json`, `summary.md`) with the machine and interpreter they were measured on."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
+import math
 import os
+import platform
 import queue
 import random
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
     "CLK_TCK",
     "HEARTBEAT_HEADER",
+    "OUT_DIR",
     "ROOT",
     "BenchError",
     "Deadline",
+    "Histogram",
+    "JsonProcess",
+    "PartResult",
     "Processes",
+    "Profiler",
     "Registration",
+    "Replica",
+    "Suite",
+    "cpu_model",
     "cpu_seconds",
+    "cpu_seconds_tree",
+    "descendants",
     "free_ports",
     "log_tail",
+    "machine",
+    "machine_cpu_seconds",
+    "md_table",
     "memory_kib",
+    "metric_sum",
+    "num",
+    "percentile",
+    "python_version",
+    "raise_open_file_limit",
     "read_line",
+    "server_python",
+    "set_server_python",
     "start_printing_server",
+    "start_replica",
     "wait_until",
+    "write_part",
+    "write_summary",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "bench-results"
 HEARTBEAT_HEADER = "x-stargate-registration-heartbeat-ms"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -52,6 +84,15 @@ def cpu_seconds(pid: int) -> float:
     # Fields after the parenthesised command name start at field 3 (state); utime is field 14.
     fields = data[data.rindex(b")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine, every core, from the first line of `/proc/stat`
+    (all but idle and iowait). Its growth over a window minus that of the benchmark's own
+    processes is the load of everything else on the machine (other users' jobs)."""
+    with open("/proc/stat") as stat:
+        values = [int(x) for x in stat.readline().split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / CLK_TCK
 
 
 def memory_kib(pid: int) -> tuple[int, int]:
@@ -90,6 +131,9 @@ class Processes:
     ) -> subprocess.Popen[Any]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        # Its own session: a Ctrl-C at the terminal reaches only the benchmark, which then stops
+        # every process it started itself (in order, by handle).
+        kwargs.setdefault("start_new_session", True)
         process: subprocess.Popen[Any] = subprocess.Popen(args, cwd=ROOT, env=env, **kwargs)
         self._started.append((process, stop_signal))
         return process
@@ -306,3 +350,526 @@ class Registration:
         self._outbox.put(None)
         self._call.cancel()
         self._channel.close()
+
+
+# ---- process trees, file limits -----------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (children, grandchildren...), read from
+    `/proc/<pid>/task/*/children`; [] once `pid` is gone."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                text = Path(f"/proc/{parent}/task/{task}/children").read_text()
+            except OSError:
+                continue
+            for word in text.split():
+                child = int(word)
+                if child not in found:
+                    found.append(child)
+                    stack.append(child)
+    return found
+
+
+def cpu_seconds_tree(pid: int) -> float:
+    """CPU seconds of `pid` and its live descendants (an nginx master and its worker)."""
+    total = cpu_seconds(pid)
+    for child in descendants(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += cpu_seconds(child)
+    return total
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (children inherit it); the new soft limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# ---- the interpreter under test ------------------------------------------------------------------
+
+_SERVER_PYTHON = [sys.executable]
+_PYTHON_VERSIONS: dict[str, str] = {}
+
+
+def server_python() -> str:
+    """The interpreter every server process runs on (the replica, the mock, the engines): this
+    one unless `python -m benchmarks --python PATH` chose another (whose environment must have
+    this project installed)."""
+    return _SERVER_PYTHON[0]
+
+
+def set_server_python(path: str) -> None:
+    _SERVER_PYTHON[0] = os.path.abspath(path) if os.sep in path else path
+
+
+def python_version(executable: str) -> str:
+    """`platform.python_version()` of `executable` (asked once, then remembered)."""
+    if executable not in _PYTHON_VERSIONS:
+        if executable == sys.executable:
+            _PYTHON_VERSIONS[executable] = platform.python_version()
+        else:
+            try:
+                _PYTHON_VERSIONS[executable] = subprocess.run(
+                    [executable, "-c", "import platform; print(platform.python_version())"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=True,
+                ).stdout.strip()
+            except (OSError, subprocess.SubprocessError) as error:
+                raise BenchError(f"cannot run the interpreter {executable}: {error}") from None
+    return _PYTHON_VERSIONS[executable]
+
+
+# ---- a replica ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    """A `stargate serve` started by `start_replica`."""
+
+    process: subprocess.Popen[Any]
+    http: int
+    grpc: int
+    metrics: int
+    log_path: Path
+    started_at: float = 0.0
+    """time.monotonic() just before the process was spawned."""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def reading(self) -> tuple[int, int, float]:
+        """(VmRSS KiB, VmHWM KiB, CPU seconds) of the replica now."""
+        if self.process.poll() is not None:
+            raise BenchError(f"the replica exited\n{log_tail(self.log_path)}")
+        rss, hwm = memory_kib(self.pid)
+        return rss, hwm, cpu_seconds(self.pid)
+
+    def metrics_text(self, timeout: float = 10) -> str:
+        import httpx
+
+        with httpx.Client(trust_env=False, timeout=timeout) as client:
+            return client.get(f"http://127.0.0.1:{self.metrics}/metrics").text
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of every sample of metric `name` (all label sets) in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            with contextlib.suppress(ValueError, IndexError):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def start_replica(
+    procs: Processes,
+    log_dir: Path,
+    name: str,
+    deadline: Deadline,
+    *,
+    max_connections: int = 384,
+    warmup_args: Sequence[str] = ("--readiness-warmup-ms=0",),
+    extra_args: Sequence[str] = (),
+) -> Replica:
+    """A `stargate serve` on free loopback ports (HTTP, gRPC, discovery, metrics), answering
+    `/healthz`; three tries at ports (one may be taken between the pick and the bind). It is
+    stopped with SIGINT (no leave phase) by `procs`."""
+    import httpx
+
+    for attempt in range(3):
+        http, grpc_port, discovery, metrics = free_ports(4)
+        log_path = log_dir / f"{name}-{attempt}.log"
+        with log_path.open("wb") as log:
+            started_at = time.monotonic()
+            process = procs.spawn(
+                [
+                    server_python(),
+                    "-m",
+                    "stargate",
+                    "serve",
+                    f"--stargate-id={name}",
+                    f"--http-listen-addr=127.0.0.1:{http}",
+                    f"--listen-addr=127.0.0.1:{grpc_port}",
+                    f"--model-discovery-listen-addr=127.0.0.1:{discovery}",
+                    f"--metrics-listen-addr=127.0.0.1:{metrics}",
+                    f"--max-client-connections={max_connections}",
+                    *warmup_args,
+                    "--disable-dns-discovery",
+                    "--shutdown-delay-ms=0",
+                    "--shutdown-drain-timeout-ms=1000",
+                    *extra_args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stop_signal=signal.SIGINT,  # SIGINT: no leave phase
+            )
+        replica = Replica(process, http, grpc_port, metrics, log_path, started_at)
+        healthz = f"{replica.base}/healthz"
+        with httpx.Client(trust_env=False, timeout=5) as client:
+            try:
+                wait_until(
+                    lambda: client.get(healthz).status_code == 200,  # noqa: B023 (called at once)
+                    deadline.left(30),
+                    f"{name}'s /healthz",
+                    process,
+                    log_path,
+                )
+            except BenchError:
+                procs.stop(process)
+                if attempt == 2 or process.returncode == 0:
+                    raise
+                continue
+        return replica
+    raise AssertionError("unreachable")
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (NaN when empty)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+class Histogram:
+    """A log-spaced histogram of durations in seconds: 100 bins a decade from 1 µs to 100 s
+    (quantiles within 2.3 %), cheap to fill (one log10) and to merge across processes."""
+
+    LOW = 1e-6
+    PER_DECADE = 100
+    BINS = 800
+
+    def __init__(self, counts: Sequence[int] | None = None) -> None:
+        self.counts = list(counts) if counts is not None else [0] * (self.BINS + 2)
+
+    def add(self, seconds: float) -> None:
+        if seconds <= self.LOW:
+            self.counts[0] += 1
+        else:
+            index = 1 + int(math.log10(seconds / self.LOW) * self.PER_DECADE)
+            self.counts[min(index, self.BINS + 1)] += 1
+
+    def merge(self, other: Histogram) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def _value(self, index: int) -> float:
+        """A bin's geometric middle (its lower edge for the first one)."""
+        if index == 0:
+            return self.LOW
+        return float(self.LOW * 10 ** ((index - 0.5) / self.PER_DECADE))
+
+    def quantile(self, q: float) -> float:
+        total = self.total
+        if not total:
+            return math.nan
+        wanted = max(1, math.ceil(q * total))
+        seen = 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= wanted:
+                return self._value(index)
+        return self._value(len(self.counts) - 1)
+
+    def cdf(self) -> tuple[list[float], list[float]]:
+        """(values, cumulative fractions) for a CDF plot."""
+        total = self.total
+        xs: list[float] = []
+        ys: list[float] = []
+        seen = 0
+        for index, count in enumerate(self.counts):
+            if count:
+                seen += count
+                xs.append(self._value(index))
+                ys.append(seen / total)
+        return xs, ys
+
+
+def num(value: float | None, digits: int = 0) -> str:
+    """A figure for a table: thousands separators, `-` for missing, NaN or infinite."""
+    if value is None or math.isnan(value) or math.isinf(value):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (first column left-aligned, the others right-aligned)."""
+    align = ["---", *["---:" for _ in headers[1:]]]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    for row in rows:
+        cells = [*row, *["?"] * (len(headers) - len(row))]  # a short row stays a table row
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- the machine and the result files ------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on (every result file carries it)."""
+    server = server_python()
+    return {
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "server_python": python_version(server),
+        "server_python_executable": server,
+        "load_average_at_start": os.getloadavg()[0],
+    }
+
+
+@dataclass
+class Suite:
+    """What every part is run with: the suite's options (part-specific ones in `args`)."""
+
+    quick: bool
+    profile: bool
+    out_dir: Path
+    args: Any
+    """The parsed command line (argparse.Namespace)."""
+
+
+@dataclass
+class PartResult:
+    """What one part measured: a Markdown body (tables and notes), JSON data, problems."""
+
+    name: str
+    title: str
+    markdown: str
+    data: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    charts: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    elapsed: float = 0.0
+    started: str = ""
+
+
+def write_part(result: PartResult, suite: Suite) -> Path:
+    """Write `<out>/<part>.md` and `<part>.json`; return the Markdown path."""
+    suite.out_dir.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    started = result.started or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    python_note = f"Python {info['python']}"
+    if info["server_python_executable"] != sys.executable:
+        python_note += f" (servers: Python {info['server_python']})"
+    header = (
+        f"## {result.name}: {result.title}\n\n"
+        f"{started.replace('T', ' ')} · {'quick' if suite.quick else 'full'} run, "
+        f"{result.elapsed:.0f} s · {info['cpu_model']}, {info['cores']} cores, "
+        f"{info['system']} · {python_note} · loopback · load average at start "
+        f"{info['load_average_at_start']:.2f}"
+    )
+    lines = [header, "", result.markdown.rstrip()]
+    if result.charts:
+        lines += ["", "Charts: " + ", ".join(f"`{chart}`" for chart in result.charts)]
+    for note in result.notes:
+        lines += ["", f"- {note}"]
+    for problem in result.problems:
+        lines += ["", f"- WARNING: {problem}"]
+    path = suite.out_dir / f"{result.name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    document = {
+        "part": result.name,
+        "title": result.title,
+        "date": started,
+        "run": "quick" if suite.quick else "full",
+        "elapsed_seconds": result.elapsed,
+        "machine": info,
+        "settings": result.settings,
+        "data": result.data,
+        "problems": result.problems,
+        "notes": result.notes,
+        "charts": result.charts,
+    }
+    (suite.out_dir / f"{result.name}.json").write_text(
+        json.dumps(document, indent=2, default=str) + "\n"
+    )
+    return path
+
+
+SUMMARY_ORDER = ("proxy", "stream", "registration", "readiness", "activator", "capacity")
+
+
+def write_summary(out_dir: Path) -> Path:
+    """`<out>/summary.md`: every part's Markdown found in `out_dir`, in suite order (each carries
+    its own date, so parts run at different times stay told apart)."""
+    sections: list[str] = []
+    for name in SUMMARY_ORDER:
+        path = out_dir / f"{name}.md"
+        if not path.exists():
+            continue
+        text = path.read_text().rstrip()
+        if not text.startswith("## "):
+            text = f"## {name}\n\n{text}"
+        sections.append(text)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("T", " ")
+    body = "\n\n".join(sections) if sections else "(no part has written its results yet)"
+    path = out_dir / "summary.md"
+    path.write_text(f"# stargate benchmarks: summary\n\nGathered {now}.\n\n{body}\n")
+    return path
+
+
+# ---- py-spy --------------------------------------------------------------------------------------
+
+
+class Profiler:
+    """`--profile`: py-spy records a flame graph of one process during a measured phase
+    (`py-spy record -p PID -o <out>/<part>.svg -d S -r 200 --nonblocking`). py-spy needs ptrace;
+    when it cannot run, the reason is printed and kept as a note, and the part goes on."""
+
+    def __init__(self, enabled: bool, out_dir: Path, procs: Processes, part: str) -> None:
+        self.enabled = enabled
+        self.out_dir = out_dir
+        self.procs = procs
+        self.part = part
+        self.note = ""
+
+    def _executable(self) -> str | None:
+        import shutil
+
+        beside = Path(sys.executable).parent / "py-spy"
+        return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+    @contextlib.contextmanager
+    def record(self, pid: int, seconds: float, what: str, again: bool = False) -> Iterator[None]:
+        """Profile `pid` while the block runs (at most `seconds`). One flame graph per part: its
+        first profiled phase, or with `again` the last one."""
+        if not self.enabled or (self.note.startswith("flame graph") and not again):
+            yield
+            return
+        executable = self._executable()
+        if executable is None:
+            self.note = "no flame graph: py-spy is not installed (pip install py-spy)"
+            print(f"  {self.note}", file=sys.stderr)
+            yield
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        out = self.out_dir / f"{self.part}.svg"
+        log_path = self.out_dir / f".{self.part}-py-spy.log"
+        with log_path.open("wb") as log:
+            process = self.procs.spawn(
+                [
+                    executable,
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-o",
+                    str(out),
+                    "-d",
+                    str(max(1, math.ceil(seconds))),
+                    "-r",
+                    "200",
+                    "--nonblocking",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stop_signal=signal.SIGINT,  # py-spy writes what it has on Ctrl-C
+            )
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            tail = log_tail(log_path, 6)
+            if process.returncode == 0 and out.exists():
+                self.note = (
+                    f"flame graph: `{out.name}` (py-spy, 200 Hz, --nonblocking, "
+                    f"{time.monotonic() - began:.0f} s of {what})"
+                )
+                log_path.unlink(missing_ok=True)
+            else:
+                self.note = f"no flame graph: py-spy exited {process.returncode}: {tail[-400:]}"
+            print(f"  {self.note}", file=sys.stderr)
+
+
+class JsonProcess:
+    """A helper process driven by one JSON command per stdin line, answering one JSON line each
+    (benchmarks/pylons.py, the capacity load generator)."""
+
+    def __init__(self, procs: Processes, args: list[str], log_path: Path, what: str) -> None:
+        self._log_path = log_path
+        self.what = what
+        with log_path.open("wb") as log:
+            self.process = procs.spawn(
+                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, op: str, **args: Any) -> None:
+        """Send one command (read its answer with `answer`)."""
+        stdin = self.process.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps({"op": op, **args}) + "\n")
+            stdin.flush()
+        except OSError:
+            raise BenchError(f"{self.what} gone:\n{log_tail(self._log_path)}") from None
+
+    def answer(self, timeout: float) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = read_line(self.process.stdout, timeout)
+        if not line:
+            raise BenchError(f"{self.what}: no answer:\n{log_tail(self._log_path)}")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise BenchError(f"{self.what}: {answer['error']}")
+        return answer
+
+    def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.answer(timeout)
+
+    def quit(self) -> None:
+        with contextlib.suppress(BenchError):
+            self.send("quit")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
