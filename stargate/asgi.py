@@ -9,12 +9,16 @@ from typing import Any
 import trio
 
 __all__ = [
+    "BODY_FOLLOWS",
+    "DISCONNECT_HOOK",
     "ASGIApp",
     "ASGIReceive",
     "ASGIScope",
     "ASGISend",
+    "DisconnectHook",
     "InFlight",
     "answer_lifespan",
+    "disconnect_hook",
     "visible_query",
 ]
 
@@ -23,6 +27,67 @@ ASGIMessage = MutableMapping[str, Any]
 ASGIReceive = Callable[[], Awaitable[ASGIMessage]]
 ASGISend = Callable[[ASGIMessage], Awaitable[None]]
 ASGIApp = Callable[[ASGIScope, ASGIReceive, ASGISend], Awaitable[None]]
+
+
+BODY_FOLLOWS = "stargate.body_follows"
+"""A key an app may set (true) in its `http.response.start` message: its first body message comes
+right after, without waiting for anything. An HTTP/1.1 server may then write the head together
+with that body, one write instead of two (`hypercorn_fixes`, docs/http-serving.md, "Head with the
+body"); without the key, or where the server ignores it, the head is written at once."""
+
+DISCONNECT_HOOK = "stargate.disconnect"
+"""The key of an HTTP exchange's `DisconnectHook` in `scope["extensions"]`; present when the app is
+served through `stargate/serving.py` (`hypercorn_fixes` installs it)."""
+
+
+class DisconnectHook:
+    """Calls the app back, synchronously, when its client goes away before the response is done.
+
+    An app that must stop working when its client leaves (the proxy cancels its upstream request)
+    otherwise needs a second task per request, waiting in `receive()` for `http.disconnect`: a
+    nursery and a task cost about 45 us a request, more than anything else the proxy adds to a
+    request (docs/data-plane.md, "Cancellation"). The server calls `fire()` where it queues
+    `http.disconnect` for the app, so `receive()` still gets that message as before.
+
+    A disconnect that arrives while the app's final `send()` runs (`completing`) is the end of a
+    complete exchange, which Hypercorn reports from inside that `send()`: it is not passed on,
+    as `hypercorn_fixes.complete_response_before_disconnect` holds that message back from
+    `receive()` (the app has nothing left to cancel, and cancelling it there would cancel
+    Hypercorn's own bookkeeping for the response).
+    """
+
+    __slots__ = ("_callback", "completing", "disconnected")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[], object] | None = None
+        self.completing = False
+        """The app's final `send()` is running (set by the server's wrapper)."""
+        self.disconnected = False
+        """The client has gone (or the exchange has ended)."""
+
+    def on_disconnect(self, callback: Callable[[], object] | None) -> None:
+        """Call `callback` when the client leaves (now, if it has already left); None: stop."""
+        self._callback = callback
+        if callback is not None and self.disconnected and not self.completing:
+            callback()
+
+    def fire(self) -> None:
+        """The server's side: the client has gone, or the exchange is over."""
+        if self.disconnected:
+            return
+        self.disconnected = True
+        callback = self._callback
+        if callback is not None and not self.completing:
+            callback()
+
+
+def disconnect_hook(scope: ASGIScope) -> DisconnectHook | None:
+    """The exchange's `DisconnectHook`, if the server installed one."""
+    extensions = scope.get("extensions")
+    if not extensions:
+        return None
+    hook = extensions.get(DISCONNECT_HOOK)
+    return hook if isinstance(hook, DisconnectHook) else None
 
 
 async def answer_lifespan(

@@ -1,10 +1,12 @@
 """Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down, or that keep
 connections open after HTTP says they end.
 
-`apply()` installs the first eight once, when `stargate/serving.py` is imported; the last one wraps
-each served app (`complete_response_before_disconnect`, applied by `serving.serve_asgi`). Each
-fix is small, targeted at one upstream issue, and covered by a test that fails without it. What a
-client can expect as a result is in docs/http-serving.md.
+`apply()` installs the first twelve once (four are not fixes but cut the cost of every request:
+writes at once, the keep-alive timer, the head with the body, the disconnect hook), when
+`stargate/serving.py` is imported; the last one wraps each served app
+(`complete_response_before_disconnect`, applied by `serving.serve_asgi`). Each fix is small,
+targeted at one upstream issue, and covered by a test that fails without it. What a client can
+expect as a result is in docs/http-serving.md.
 
 * pgjones/hypercorn#329: when HTTP/2 DATA arrives for a stream whose response is already complete,
   `H2Protocol._handle_events` raises `KeyError` in the connection task, and on the trio worker
@@ -52,6 +54,18 @@ client can expect as a result is in docs/http-serving.md.
 * HTTP/2 send order: streams take turns to send in round robin (`stargate/h2_send_order.py`)
   instead of through the RFC 7540 priority tree (deprecated by RFC 9113, unused by our clients),
   whose per-turn walk cost about 15% of the replica's CPU with a thousand Pylons heartbeating.
+* Writes at once (`_write_at_once`, a cost rather than a bug): Hypercorn takes the send lock,
+  opens a shielded cancel scope and calls trio's `send_all` for every write, two trips through
+  the scheduler for what is nearly always one `send(2)`. A write the socket takes whole is now
+  that one syscall; the rest goes the original way.
+* Keep-alive timer (`_restart_idle_timers_at_once`, a cost): stopping and restarting a
+  connection's idle timer, once each per request, went through an async lock and `nursery.start`;
+  now neither waits.
+* Head with the body (`_write_head_with_body`, a cost): an HTTP/1.1 head whose start message
+  says `BODY_FOLLOWS` (stargate/asgi.py) is written with the next body message, one write.
+* Disconnect hook (`_hook_disconnects`, not a fix): every HTTP exchange gets a `DisconnectHook`
+  (stargate/asgi.py) in `scope["extensions"]`, fired where Hypercorn queues `http.disconnect`,
+  so the proxy cancels its upstream work without a task per request waiting in `receive()`.
 * `leave(config)` is not a fix but uses the rotation: during a shutdown's leave phase it tells
   every client of a listener to move on (docs/rolling-restarts.md).
 * Responses complete before `http.disconnect` (`complete_response_before_disconnect`): Hypercorn
@@ -69,6 +83,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,19 +91,34 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h11
 import trio
 from h2.stream import StreamState
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.events import Event as IOEvent
-from hypercorn.protocol.events import EndBody, EndData, Trailers
+from hypercorn.protocol.events import EndBody, EndData, StreamClosed, Trailers
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_LOW_WATER, H2Protocol, StreamBuffer
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import TrioSingleTask
 from hyperframe.frame import GoAwayFrame
 from priority.priority import MissingStreamError, PriorityError, TooManyStreamsError
 
-from stargate.asgi import ASGIApp, ASGIMessage, ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import (
+    BODY_FOLLOWS,
+    DISCONNECT_HOOK,
+    ASGIApp,
+    ASGIMessage,
+    ASGIReceive,
+    ASGIScope,
+    ASGISend,
+    DisconnectHook,
+    disconnect_hook,
+)
 from stargate.h2_send_order import RoundRobin
 
 __all__ = ["apply", "complete_response_before_disconnect", "leave"]
@@ -113,6 +143,9 @@ def apply() -> None:
     _contain_connection_failures()
     _fix_send_during_close()
     _write_at_once()
+    _hook_disconnects()
+    _write_head_with_body()
+    _restart_idle_timers_at_once()
     _send_in_turn()
 
 
@@ -489,9 +522,9 @@ def _write_at_once() -> None:
     original_protocol_send = TCPServer.protocol_send
 
     async def protocol_send(self: TCPServer, event: IOEvent) -> None:
-        stream = self.stream
+        stream: trio.abc.Stream = self.stream  # annotated as TLS; plain TCP is a SocketStream
         lock = self.send_lock
-        if type(event) is not RawData or type(stream) is not trio.SocketStream or lock.locked():
+        if type(event) is not RawData or not isinstance(stream, trio.SocketStream) or lock.locked():
             await original_protocol_send(self, event)
             return
         sock = stream.socket
@@ -525,6 +558,42 @@ def _write_at_once() -> None:
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
 
 
+def _restart_idle_timers_at_once() -> None:
+    """Restart and stop a connection's keep-alive timer without going through the scheduler.
+
+    Hypercorn stops the timer when a request arrives and restarts it when the response is done:
+    each under an async lock (a checkpoint, so a trip through the scheduler) and the restart
+    with `nursery.start`, which waits for the new timer task to run up to its `started()`.
+    Together about 45 us a request, for a replica and a bare app alike (docs/http-serving.md,
+    "Keep-alive timer"). Neither needs to wait: the new task gets its cancel scope up front
+    (`start_soon`), so cancelling it before it runs is the same as cancelling it after, and
+    with no await between reading and replacing the handle there is nothing for the lock to
+    serialise. The timer itself (`TCPServer._idle_timeout`) is unchanged.
+    """
+
+    async def run_in(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]) -> None:
+        if scope.cancel_called:
+            return  # stopped or restarted before it ran
+        with scope:
+            await action()
+
+    async def restart(
+        self: TrioSingleTask, task_group: Any, action: Callable[[], Awaitable[None]]
+    ) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        scope = self._handle = trio.CancelScope()
+        task_group._nursery.start_soon(run_in, scope, action)
+
+    async def stop(self: TrioSingleTask) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = None
+
+    TrioSingleTask.restart = restart  # type: ignore[method-assign]
+    TrioSingleTask.stop = stop  # type: ignore[method-assign]
+
+
 def _peer(stream: object) -> str:
     sock = getattr(stream, "socket", None)
     try:
@@ -532,6 +601,97 @@ def _peer(stream: object) -> str:
     except (AttributeError, OSError):
         return "unknown"
     return f"{host}:{port}"
+
+
+def _write_head_with_body() -> None:
+    """On HTTP/1.1, write a response head marked `BODY_FOLLOWS` (stargate/asgi.py) together with
+    the body message the app sends next: one write, one TCP segment, instead of two.
+
+    Hypercorn writes the head the moment the app sends `http.response.start`, so every response
+    cost two writes, each a `send(2)` of some 25 us of kernel time on loopback (a third of what
+    the replica adds to a request goes to syscalls; docs/http-serving.md, "Head with the body").
+    The proxy sets the key only when it already holds body bytes to send right after the head,
+    so nothing waits for it: a head whose first chunk has not arrived is written at once, as
+    before. The held head is written with the next message of the exchange whatever it is (the
+    body, its end, or the end of the exchange should the app stop first); HTTP/2 ignores the key.
+    """
+    original_app_send = HTTPStream.app_send
+    original_send_h11_event = H11Protocol._send_h11_event
+    original_stream_send = H11Protocol.stream_send
+
+    async def app_send(self: HTTPStream, message: Any) -> None:
+        if message is not None and message.get(BODY_FOLLOWS) is True:
+            self.stargate_body_follows = True  # type: ignore[attr-defined]
+        await original_app_send(self, message)
+
+    async def send_h11_event(self: H11Protocol, event: Any) -> None:
+        held: bytes | None = getattr(self, "stargate_head", None)
+        if held is None:
+            stream = self.stream
+            if type(event) is h11.Response and getattr(stream, "stargate_body_follows", False):
+                stream.stargate_body_follows = False  # type: ignore[union-attr]
+                try:
+                    data = self.connection.send(event)
+                except h11.LocalProtocolError:
+                    if self.connection.their_state != h11.ERROR:
+                        raise
+                    return
+                self.stargate_head = data  # type: ignore[attr-defined]
+                return
+            await original_send_h11_event(self, event)
+            return
+        self.stargate_head = None  # type: ignore[attr-defined]
+        try:
+            data = self.connection.send(event) or b""
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            data = b""
+        await self.send(RawData(data=held + data))
+
+    async def stream_send(self: H11Protocol, event: StreamEvent) -> None:
+        held: bytes | None = getattr(self, "stargate_head", None)
+        if held is not None and isinstance(event, StreamClosed):
+            self.stargate_head = None  # type: ignore[attr-defined]
+            await self.send(RawData(data=held))  # the app ended before its body
+        await original_stream_send(self, event)
+
+    HTTPStream.app_send = app_send  # type: ignore[method-assign]
+    H11Protocol._send_h11_event = send_h11_event  # type: ignore[method-assign]
+    H11Protocol.stream_send = stream_send  # type: ignore[method-assign]
+
+
+def _hook_disconnects() -> None:
+    """Give every HTTP exchange a `DisconnectHook` (stargate/asgi.py) in its scope's extensions,
+    fired where Hypercorn queues `http.disconnect` for the app.
+
+    Not a fix of Hypercorn: it lets the proxy stop its upstream work when its client leaves
+    without a second task per request waiting in `receive()` (docs/data-plane.md,
+    "Cancellation"). Every message Hypercorn queues for the app still reaches `receive()`.
+    """
+    original_spawn_app = TaskGroup.spawn_app
+
+    async def spawn_app(
+        self: TaskGroup,
+        app: Any,
+        config: HypercornConfig,
+        scope: Any,
+        send: Callable[[Any], Awaitable[None]],
+    ) -> Callable[[Any], Awaitable[None]]:
+        if scope["type"] != "http":
+            return await original_spawn_app(self, app, config, scope, send)
+        hook = DisconnectHook()
+        scope["extensions"][DISCONNECT_HOOK] = hook
+        put = await original_spawn_app(self, app, config, scope, send)
+
+        async def app_put(message: Any) -> None:
+            if message["type"] == "http.disconnect":
+                hook.fire()
+            await put(message)
+
+        return app_put
+
+    TaskGroup.spawn_app = spawn_app  # type: ignore[method-assign]
 
 
 # --- responses complete before http.disconnect ---------------------------------------------------
@@ -551,6 +711,7 @@ def complete_response_before_disconnect(app: ASGIApp) -> ASGIApp:
             await app(scope, receive, send)
             return
         completing: trio.Event | None = None
+        hook = disconnect_hook(scope)
 
         async def send_final(message: ASGIMessage) -> None:
             nonlocal completing
@@ -558,6 +719,8 @@ def complete_response_before_disconnect(app: ASGIApp) -> ASGIApp:
                 await send(message)
                 return
             completing = trio.Event()
+            if hook is not None:
+                hook.completing = True  # the same hold for the hook's callback
             try:
                 await send(message)
             finally:

@@ -224,6 +224,63 @@ class ProxyMetrics:
             ),
         )
 
+    # The request path writes through these rather than `family.labels(**kwargs)`: each takes
+    # its label values in the family's (alphabetical) label order and finds the series with one
+    # dict lookup (`_child`), a few hundred nanoseconds instead of 3-5 us per `labels()` call,
+    # seven or more of which every proxied request made.
+
+    def count_request(
+        self, inference_server_id: str, model: str, routing_key: str, status: str
+    ) -> None:
+        _child(self.requests, (inference_server_id, model, routing_key, status)).inc()
+
+    def count_response(self, endpoint: str, status_class: str) -> None:
+        _child(self.responses, (endpoint, status_class)).inc()
+
+    def count_attempt(
+        self, inference_server_id: str, model: str, result: str, routing_key: str
+    ) -> None:
+        _child(self.attempts, (inference_server_id, model, result, routing_key)).inc()
+
+    def count_retry(self, model: str, reason: str, routing_key: str) -> None:
+        _child(self.retries, (model, reason, routing_key)).inc()
+
+    def count_retry_exhausted(self, model: str, reason: str, routing_key: str) -> None:
+        _child(self.retry_exhausted, (model, reason, routing_key)).inc()
+
+    def count_selection(self, algorithm: str, model: str, routing_key: str, selection: str) -> None:
+        _child(self.selections, (algorithm, model, routing_key, selection)).inc()
+
+    def count_admission_rejection(self, model: str, reason: str, routing_key: str) -> None:
+        _child(self.admission_rejections, (model, reason, routing_key)).inc()
+
+    def observe_duration(
+        self, inference_server_id: str, model: str, routing_key: str, seconds: float
+    ) -> None:
+        _child(self.duration, (inference_server_id, model, routing_key)).observe(seconds)
+
+    def observe_routing_duration(self, model: str, routing_key: str, seconds: float) -> None:
+        _child(self.routing_duration, (model, routing_key)).observe(seconds)
+
+    def observe_replay_buffer(self, model: str, size: int) -> None:
+        _child(self.replay_buffer_bytes, (model,)).observe(size)
+
+
+def _child(family: Any, values: LabelValues) -> Any:
+    """`family.labels(*values)`, found with one dict lookup when the series exists.
+
+    `values` must be strings in the family's label order (as `labels()` would build its key).
+    Nothing is cached outside the family: the lookup reads the family's own table of series,
+    so a series that `DepartedSeriesSweep` removed is simply not found, and `labels()` creates
+    it afresh, as it would have. The read takes no lock: it runs on the trio thread, where the
+    series are also created and removed (a scrape thread only copies the table, under the lock),
+    and a dict read is atomic under the GIL.
+    """
+    child = family._metrics.get(values)
+    if child is None:
+        child = family.labels(*values)
+    return child
+
 
 CONNECTION_REFUSAL_REASONS = ("full", "reserve")
 

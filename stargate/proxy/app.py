@@ -28,8 +28,16 @@ from urllib.parse import unquote
 import trio
 
 from stargate.activator import Activator, ActivatorError, Grant
-from stargate.asgi import ASGIApp, ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import (
+    BODY_FOLLOWS,
+    ASGIApp,
+    ASGIReceive,
+    ASGIScope,
+    ASGISend,
+    disconnect_hook,
+)
 from stargate.config import ProxyConfig
+from stargate.load_balancing.config import AlgorithmSpec
 from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
 from stargate.proxy import json_scan
@@ -135,28 +143,46 @@ class ProxyApp:
             await _respond(send, error, openai_form)
             return
 
+        # The client leaving cancels everything in flight for it, upstream connection included.
+        hook = disconnect_hook(scope)
+        if hook is not None:  # served by stargate/serving.py: no watcher task needed
+            with trio.CancelScope() as gone:
+                hook.on_disconnect(gone.cancel)
+                try:
+                    await self._exchange(send, request, spec, body)
+                finally:
+                    hook.on_disconnect(None)
+            if gone.cancelled_caught:
+                raise _ClientGone
+            return
         completed = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            grant: Grant | None = None
-            try:
-                grant = await self._acquire(request)
-            except ActivatorError as error:
-                await self._answer(send, request, _pool_error(error))
-            else:
-                try:
-                    outcome = await self._forwarder.forward(request, spec, body)
-                    if isinstance(outcome, LocalError):
-                        await self._answer(send, request, outcome.error)
-                    else:
-                        await self._stream(send, request, outcome)
-                finally:
-                    if grant is not None:
-                        grant.release()  # exactly once, when the response body has ended
+            await self._exchange(send, request, spec, body)
             completed = True
             nursery.cancel_scope.cancel()
         if not completed:
             raise _ClientGone
+
+    async def _exchange(
+        self, send: ASGISend, request: ProxyRequest, spec: AlgorithmSpec, body: bytes | bytearray
+    ) -> None:
+        """Hold a pool slot if the model is pooled, forward, and answer."""
+        grant: Grant | None = None
+        try:
+            grant = await self._acquire(request)
+        except ActivatorError as error:
+            await self._answer(send, request, _pool_error(error))
+            return
+        try:
+            outcome = await self._forwarder.forward(request, spec, body)
+            if isinstance(outcome, LocalError):
+                await self._answer(send, request, outcome.error)
+            else:
+                await self._stream(send, request, outcome)
+        finally:
+            if grant is not None:
+                grant.release()  # exactly once, when the response body has ended
 
     def _parse(
         self, scope: ASGIScope, headers: list[tuple[bytes, bytes]], body: bytes | bytearray
@@ -199,12 +225,30 @@ class ProxyApp:
                 headers.append((b"x-request-id", request.request_id.encode()))
             # Counted before the head goes out: a client that leaves now still got a status.
             self._count(request, backend.inference_server_id, response.status)
-            await send(
-                {"type": "http.response.start", "status": response.status, "headers": headers}
-            )
+            start = {"type": "http.response.start", "status": response.status, "headers": headers}
+            failure: UpstreamError | None = None
+            try:
+                first = response.take_buffered()  # what arrived with the head: no waiting
+            except UpstreamError as error:
+                first, failure = None, error  # reported after the head, as before
+            if first is not None or (failure is None and response.complete):
+                # Its body goes right after it: the server may write both at once (one syscall).
+                start[BODY_FOLLOWS] = True
+            await send(start)
             relayed = 0
             try:
+                if failure is not None:
+                    raise failure
+                if first is not None:
+                    if response.complete:
+                        await send({"type": "http.response.body", "body": first})
+                        return
+                    await send({"type": "http.response.body", "body": first, "more_body": True})
+                    relayed += len(first)
                 async for chunk in response.aiter_bytes():
+                    if response.complete:  # the last chunk ends the response: one send, not two
+                        await send({"type": "http.response.body", "body": chunk})
+                        return
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     relayed += len(chunk)
             except UpstreamError as error:
@@ -230,26 +274,23 @@ class ProxyApp:
         await _respond(send, error, request.openai_form, request)
 
     def _count(self, request: ProxyRequest, server_id: str, status: int) -> None:
-        self._metrics.responses.labels(
-            endpoint=request.endpoint, status_class=f"{status // 100}xx"
-        ).inc()
-        self._metrics.requests.labels(
-            inference_server_id=server_id,
-            status=str(status),
-            **self._forwarder.metric_labels(request),
-        ).inc()
+        metrics = self._metrics
+        metrics.count_response(request.endpoint, _status_class(status))
+        model, routing_key = self._forwarder.metric_labels(request)
+        metrics.count_request(server_id, model, routing_key, str(status))
 
     def _count_local(self, path: str, openai_form: bool, error: ContractError) -> None:
         """Count an answer made before the request was parsed (no model label: the model is
         client input that may never have been registered). A 400 is not a finished request in
         `requests_total` (Rust parity) but is in `proxy_responses_total`."""
-        self._metrics.responses.labels(
-            endpoint=ENDPOINTS[path], status_class=f"{error.status // 100}xx"
-        ).inc()
+        self._metrics.count_response(ENDPOINTS[path], _status_class(error.status))
         if error.status != 400:
-            self._metrics.requests.labels(
-                inference_server_id="", model="", routing_key="", status=str(error.status)
-            ).inc()
+            self._metrics.count_request("", "", "", str(error.status))
+
+
+def _status_class(status: int) -> str:
+    """`2xx`, `4xx`, ...: the `status_class` label of a status."""
+    return f"{status // 100}xx"
 
 
 async def _cancel_on_disconnect(receive: ASGIReceive, scope: trio.CancelScope) -> None:

@@ -218,7 +218,7 @@ class _RequestContext:
     request: ProxyRequest
     target: RoutingTargetKey
     body: bytes | bytearray
-    labels: dict[str, str]
+    labels: tuple[str, str]
     start: float
     attempts: Attempts
 
@@ -302,16 +302,13 @@ class Forwarder:
                 target.model_id,
             )
 
-    def metric_labels(self, request: ProxyRequest) -> dict[str, str]:
-        """`model` and `routing_key` labels for `request`: its own for a target some backend
-        registered (now or before), one fixed pair otherwise, so series stay bounded."""
+    def metric_labels(self, request: ProxyRequest) -> tuple[str, str]:
+        """The `(model, routing_key)` label values for `request`: its own for a target some
+        backend registered (now or before), one fixed pair otherwise, so series stay bounded."""
         target = RoutingTargetKey(request.routing_key, request.model_id)
         if self._routing.is_known(target):
-            return {"model": request.model_id, "routing_key": request.routing_key or ""}
-        return {
-            "model": UNREGISTERED,
-            "routing_key": "" if request.routing_key is None else UNREGISTERED,
-        }
+            return request.model_id, request.routing_key or ""
+        return UNREGISTERED, "" if request.routing_key is None else UNREGISTERED
 
     def resolve_algorithm(self, request: ProxyRequest) -> AlgorithmSpec:
         """The algorithm for this request, or a bare 400.
@@ -351,6 +348,7 @@ class Forwarder:
         """Route and attempt until a final response (or local error) for `request`."""
         target = RoutingTargetKey(request.routing_key, request.model_id)
         labels = self.metric_labels(request)
+        model, routing_key = labels
         routing_request = RoutingRequest(
             model_id=request.model_id,
             input_tokens=request.input_tokens,
@@ -375,7 +373,7 @@ class Forwarder:
                     eligible, request.input_tokens, spec.max_input_work_seconds
                 )
                 if rejection is not None:
-                    self._metrics.admission_rejections.labels(reason=rejection, **labels).inc()
+                    self._metrics.count_admission_rejection(model, rejection, routing_key)
                     return LocalError(input_work_limit_exceeded(request.model_id))
             choice = (
                 self._balancers.choose(
@@ -390,7 +388,9 @@ class Forwarder:
             )
             if first_selection:
                 first_selection = False
-                self._metrics.routing_duration.labels(**labels).observe(trio.current_time() - start)
+                self._metrics.observe_routing_duration(
+                    model, routing_key, trio.current_time() - start
+                )
             if choice is None:
                 now = trio.current_time()
                 if eligible and wait_deadline is not None and now < wait_deadline:
@@ -404,9 +404,7 @@ class Forwarder:
                     return LocalError(no_eligible_candidates(request.model_id))
                 return LocalError(self._unavailable(request, state, bool(eligible), labels))
             selection = "primary" if choice.rank_depth <= 1 else "fallback"
-            self._metrics.selections.labels(
-                algorithm=spec.name, selection=selection, **labels
-            ).inc()
+            self._metrics.count_selection(spec.name, model, routing_key, selection)
             outcome = await self._attempt_cluster(context, choice.cluster)
             if outcome is not None:
                 return outcome
@@ -452,7 +450,8 @@ class Forwarder:
         self, context: _RequestContext, cluster: ClusterSnapshot
     ) -> Forwarded | LocalError | None:
         """Attempts on backends of one cluster; None when the whole cluster failed."""
-        request, target, labels = context.request, context.target, context.labels
+        request, target = context.request, context.target
+        model, routing_key = context.labels
         state = context.attempts
         while True:
             counter_key = (target, cluster.cluster_id)
@@ -467,7 +466,7 @@ class Forwarder:
             if backend is None:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
-            server_labels = {"inference_server_id": backend.inference_server_id, **labels}
+            server_id = backend.inference_server_id
             # Each attempt adds its own reservation (docs/data-plane.md, Reservations); only a
             # queue-estimate mismatch releases it early, otherwise the backend's next heartbeat
             # does.
@@ -485,9 +484,7 @@ class Forwarder:
                 continue
             headers = _attempt_headers(request.headers, cluster, request.priority)
             url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
-            self._metrics.replay_buffer_bytes.labels(model=request.model_id).observe(
-                len(context.body)
-            )
+            self._metrics.observe_replay_buffer(request.model_id, len(context.body))
             response: UpstreamResponse | None = None
             decision: Decision
             try:
@@ -497,7 +494,7 @@ class Forwarder:
             except ConnectionPoolTimeout as error:
                 # Chosen while every candidate was at its cap, and no connection freed up within
                 # the pool's acquire timeout: nothing was sent, and the backend is not at fault.
-                self._metrics.attempts.labels(result="proxy_503", **server_labels).inc()
+                self._metrics.count_attempt(server_id, model, "proxy_503", routing_key)
                 log.warning(
                     "no free upstream connection: request_id=%s backend=%s error=%s",
                     request.request_id,
@@ -509,7 +506,7 @@ class Forwarder:
                 )
                 self._dispatch_failed(request)  # a pool re-checks residency (docs/activator.md)
             except UpstreamError as error:
-                self._metrics.attempts.labels(result="proxy_502", **server_labels).inc()
+                self._metrics.count_attempt(server_id, model, "proxy_502", routing_key)
                 log.warning(
                     "upstream attempt failed: request_id=%s backend=%s error=%s",
                     request.request_id,
@@ -528,9 +525,9 @@ class Forwarder:
                     # The backend stopped being routable before its head arrived: nothing was
                     # received, the body is buffered, so this is a transport failure for the
                     # retry rules (no demotion: the control plane already took the backend out).
-                    self._metrics.attempts.labels(
-                        result="proxy_backend_unroutable", **server_labels
-                    ).inc()
+                    self._metrics.count_attempt(
+                        server_id, model, "proxy_backend_unroutable", routing_key
+                    )
                     log.info(
                         "upstream attempt moved: request_id=%s backend=%s is no longer routable",
                         request.request_id,
@@ -544,11 +541,11 @@ class Forwarder:
                     )
                     self._dispatch_failed(request)
                 else:
-                    self._metrics.attempts.labels(
-                        result=f"upstream_{response.status}", **server_labels
-                    ).inc()
-                    self._metrics.duration.labels(**server_labels).observe(
-                        trio.current_time() - context.start
+                    self._metrics.count_attempt(
+                        server_id, model, f"upstream_{response.status}", routing_key
+                    )
+                    self._metrics.observe_duration(
+                        server_id, model, routing_key, trio.current_time() - context.start
                     )
                     decision = decide_response(
                         state,
@@ -559,11 +556,9 @@ class Forwarder:
                     if decision.release_reservation:
                         self._routing.release(reservation)
             if decision.exhausted_reason is not None:
-                self._metrics.retry_exhausted.labels(
-                    reason=decision.exhausted_reason, **labels
-                ).inc()
+                self._metrics.count_retry_exhausted(model, decision.exhausted_reason, routing_key)
             if decision.retry_reason is not None:
-                self._metrics.retries.labels(reason=decision.retry_reason, **labels).inc()
+                self._metrics.count_retry(model, decision.retry_reason, routing_key)
             record(state, decision, backend.inference_server_id, cluster.cluster_id)
             if decision.action is Action.RESPOND:
                 assert response is not None  # only a response head is passed through
@@ -602,13 +597,14 @@ class Forwarder:
         return None  # cancelled by `backend_unroutable`; the pool closed the connection
 
     def _unavailable(
-        self, request: ProxyRequest, state: Attempts, choosable: bool, labels: dict[str, str]
+        self, request: ProxyRequest, state: Attempts, choosable: bool, labels: tuple[str, str]
     ) -> ContractError:
         """The bare 503 of docs/data-plane.md, Local answers, with what an OpenAI-form answer says
         about it."""
         model = request.model_id
         if state.failed_any:
-            self._metrics.retry_exhausted.labels(reason="no_eligible_backend", **labels).inc()
+            label_model, routing_key = labels
+            self._metrics.count_retry_exhausted(label_model, "no_eligible_backend", routing_key)
             message = f"every backend tried for model {model!r} failed; retry later"
             code = "no_eligible_backend"
         elif choosable:

@@ -190,6 +190,55 @@ def test_sweep_removes_departed_series_from_the_exposition() -> None:
     )
 
 
+def test_the_proxy_writers_write_the_series_labels_would_and_follow_the_sweep() -> None:
+    """`ProxyMetrics.count_*` / `observe_*` find series without `labels()` (stargate/metrics.py,
+    `_child`): the same series, and one the sweep removed is written afresh, never into a series
+    that is no longer exported."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    sweep = DepartedSeriesSweep(metrics, grace_seconds=60)
+    proxy = metrics.proxy
+    labels = {"inference_server_id": "b", "model": "m", "routing_key": ""}
+
+    def requests() -> float | None:
+        return registry.get_sample_value("stargate_requests_total", {**labels, "status": "200"})
+
+    proxy.requests.labels(status="200", **labels).inc()
+    proxy.count_request("b", "m", "", "200")
+    proxy.count_request("b", "m", "", "200")
+    assert requests() == 3.0
+    proxy.count_attempt("b", "m", "upstream_200", "")
+    proxy.observe_duration("b", "m", "", 0.2)
+    proxy.observe_routing_duration("m", "", 0.0001)
+    proxy.observe_replay_buffer("m", 10)
+    proxy.count_selection("p2c", "m", "", "primary")
+    proxy.count_retry("m", "connect_failover", "")
+    proxy.count_retry_exhausted("m", "no_eligible_backend", "")
+    proxy.count_admission_rejection("m", "queue", "")
+    proxy.count_response("chat_completions", "2xx")
+    value = registry.get_sample_value
+    assert value("stargate_proxy_attempts_total", {**labels, "result": "upstream_200"}) == 1.0
+    assert value("stargate_proxy_duration_seconds_count", labels) == 1.0
+    assert value("stargate_routing_duration_seconds_count", {"model": "m", "routing_key": ""}) == 1
+    assert value("stargate_proxy_replay_buffer_bytes_sum", {"model": "m"}) == 10.0
+    selection = {"algorithm": "p2c", "model": "m", "routing_key": "", "selection": "primary"}
+    assert value("stargate_routing_selections_total", selection) == 1.0
+    reason = {"model": "m", "routing_key": ""}
+    assert value("stargate_proxy_retries_total", {**reason, "reason": "connect_failover"}) == 1
+    exhausted = {**reason, "reason": "no_eligible_backend"}
+    assert value("stargate_proxy_retry_exhausted_total", exhausted) == 1.0
+    assert value("stargate_admission_rejections_total", {**reason, "reason": "queue"}) == 1.0
+    responses = {"endpoint": "chat_completions", "status_class": "2xx"}
+    assert value("stargate_proxy_responses_total", responses) == 1.0
+
+    gone = LiveFleet.of([])
+    sweep.sweep(gone, now=0)
+    assert sweep.sweep(gone, now=60) > 0
+    assert requests() is None  # removed
+    proxy.count_request("b", "m", "", "200")  # the backend is back: a fresh series
+    assert requests() == 1.0
+
+
 async def test_scrape_renders_off_the_trio_thread() -> None:
     """A slow render (here a collector that takes 300 ms) must not stall the loop: other tasks
     keep running while `/metrics` is being produced."""

@@ -32,12 +32,15 @@ closes the connection, and a response closes it by releasing it as not reusable.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self, TypeAlias, cast
 
 import h11
 import trio
+from h11 import _abnf as abnf
 
 from stargate.proxy.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
 
@@ -59,6 +62,11 @@ _OWNED_HEADERS: Final = frozenset({b"host", b"content-length", b"transfer-encodi
 # Methods that send `content-length` only when they actually carry a body (RFC 9110 §8.6: a client
 # should not send `content-length: 0` where the method defines no meaning for content).
 _BODYLESS_METHODS: Final = frozenset({b"GET", b"HEAD", b"DELETE", b"OPTIONS", b"TRACE"})
+# What h11 itself accepts in a request head (its own grammar, RFC 9110/9112).
+_FIELD_NAME: Final = re.compile(abnf.field_name.encode("ascii"))
+_FIELD_VALUE: Final = re.compile(abnf.field_value.encode("ascii"))
+_METHOD: Final = re.compile(abnf.method.encode("ascii"))
+_TARGET: Final = re.compile(abnf.request_target.encode("ascii"))
 
 Body: TypeAlias = bytes | bytearray
 """A request body as the proxy holds it: the bytes it received, or the `bytearray` it read them
@@ -92,14 +100,27 @@ def build_request(
     same head again.
     """
     method_bytes = method.encode("ascii")
+    if _METHOD.fullmatch(method_bytes) is None:
+        raise ValueError(f"invalid upstream request: bad method {method!r}")
+    if _TARGET.fullmatch(target) is None:
+        raise ValueError(f"invalid upstream request: bad target {target!r}")
+    # h11 would check each header with two regular expressions and build a match dict for each
+    # (about a microsecond a header, on every request); the same expressions, run here, refuse
+    # the same headers, and h11 is then told the head is already validated (`_parsed`).
+    name_ok, value_ok = _FIELD_NAME.fullmatch, _FIELD_VALUE.fullmatch
+    if value_ok(host_header) is None:
+        raise ValueError(f"invalid upstream request: bad host {host_header!r}")
     out: list[tuple[bytes, bytes]] = [(b"host", host_header)]
     for name, value in headers:
-        if name.lower() not in _OWNED_HEADERS:
-            out.append((name, value))
+        if name.lower() in _OWNED_HEADERS:
+            continue
+        if name_ok(name) is None or value_ok(value) is None:
+            raise ValueError(f"invalid upstream request: bad header {name!r}: {value!r}")
+        out.append((name, value))
     if body or method_bytes not in _BODYLESS_METHODS:
         out.append((b"content-length", b"%d" % len(body)))
     try:
-        return h11.Request(method=method_bytes, target=target, headers=out)
+        return h11.Request(method=method_bytes, target=target, headers=out, _parsed=True)
     except h11.LocalProtocolError as exc:
         raise ValueError(f"invalid upstream request: {exc}") from exc
 
@@ -112,6 +133,8 @@ class Connection:
     """
 
     __slots__ = (
+        "_plain",
+        "_wait_first",
         "closed",
         "h11",
         "idle_since",
@@ -137,6 +160,67 @@ class Connection:
         self.idle_since = 0.0
         self.reused = False
         self.closed = False
+        # Plain TCP: bytes go straight to the socket (`send`, `receive`); TLS goes through trio.
+        self._plain: trio.socket.SocketType | None = (
+            socket_stream.socket if stream is socket_stream else None
+        )
+        self._wait_first = True  # the last read did not fill the buffer: wait before reading
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send all of `data`.
+
+        On a plain TCP connection with room in the socket's buffer (nearly always: a request is
+        small) this is one `write(2)` and returns without yielding; trio's `send_all` would
+        yield after it, a trip through the scheduler, and wrap it in four context managers
+        (docs/data-plane.md, "Upstream socket I/O"). Whatever the socket did not take is sent
+        by `send_all`, as before; errors are trio's (`BrokenResourceError`,
+        `ClosedResourceError`).
+        """
+        sock = self._plain
+        if sock is not None and (fd := sock.fileno()) >= 0:
+            try:
+                sent = os.write(fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
+        await self.stream.send_all(data)
+
+    async def receive(self) -> bytes:
+        """The bytes available now, waiting for some if there are none (b"" at EOF).
+
+        On a plain TCP connection this waits for readability *first* and then makes one
+        `read(2)`, unless the previous read filled the buffer (more is then likely waiting):
+        trio's `receive_some` tries the read first, which for a response head or the next SSE
+        event (not there yet: the previous read took everything) is a failed syscall and an
+        exception before the same wait. Errors are trio's, as from `receive_some`.
+        """
+        sock = self._plain
+        if sock is None:
+            return cast(bytes, await self.stream.receive_some(_RECEIVE_SIZE))
+        wait = self._wait_first
+        while True:
+            if wait:
+                if sock.fileno() < 0:
+                    raise trio.ClosedResourceError("the connection is closed")
+                await trio.lowlevel.wait_readable(sock)
+            fd = sock.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("the connection is closed")
+            try:
+                data = os.read(fd, _RECEIVE_SIZE)
+            except BlockingIOError:
+                wait = True
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
+            self._wait_first = len(data) < _RECEIVE_SIZE
+            if not wait:
+                await trio.lowlevel.checkpoint()  # a read that did not wait still yields
+            return data
 
     async def exchange(
         self, head: h11.Request, body: Body, head_timeout: float
@@ -147,16 +231,17 @@ class Connection:
         mid-message: the caller must close it.
         """
         request_sent = False
-        try:
-            with trio.fail_after(head_timeout):
-                await self._send_request(head, body)
-                request_sent = True
-                response = await self._receive_head()
-        except trio.TooSlowError:
+        # A bare cancel scope with a deadline: `trio.fail_after` is the same scope inside a
+        # generator-based context manager, which costs more than the scope itself.
+        with trio.CancelScope(deadline=trio.current_time() + head_timeout) as timeout:
+            await self._send_request(head, body)
+            request_sent = True
+            response = await self._receive_head()
+        if timeout.cancelled_caught:
             raise ResponseHeadTimeout(
                 f"no response head from {self.origin.key} within {head_timeout}s",
                 request_sent=request_sent,
-            ) from None
+            )
         return UpstreamResponse(self, response, self.release)
 
     def close(self) -> bool:
@@ -180,10 +265,10 @@ class Connection:
         machine.send(h11.EndOfMessage())
         try:
             if len(body) <= _COALESCE_LIMIT:
-                await self.stream.send_all(data + body)
+                await self.send(data + body)
             else:
-                await self.stream.send_all(data)
-                await self.stream.send_all(body)
+                await self.send(data)
+                await self.send(body)
         except trio.BrokenResourceError as exc:
             if self.reused:
                 raise _DeadBeforeResponse(request_sent=False) from exc
@@ -204,7 +289,7 @@ class Connection:
                 ) from exc
             if event is h11.NEED_DATA:
                 try:
-                    data = await self.stream.receive_some(_RECEIVE_SIZE)
+                    data = await self.receive()
                 except trio.BrokenResourceError as exc:
                     if not received:
                         raise _DeadBeforeResponse(request_sent=True) from exc
@@ -215,7 +300,7 @@ class Connection:
                 if not data and not received:
                     raise _DeadBeforeResponse(request_sent=True)
                 received = True
-                machine.receive_data(cast(bytes, data))
+                machine.receive_data(data)
             elif isinstance(event, h11.Response):
                 return event
             elif not isinstance(event, h11.InformationalResponse):  # 1xx: skip, wait for more
@@ -227,6 +312,14 @@ class Connection:
 
 
 # --- the response ---------------------------------------------------------------------------
+
+
+def _joined(chunks: list[bytes | bytearray]) -> bytes | None:
+    if not chunks:
+        return None
+    if len(chunks) == 1:
+        return bytes(chunks[0])
+    return b"".join(chunks)
 
 
 class _BodyIterator:
@@ -290,6 +383,14 @@ class UpstreamResponse:
         waits to fill a buffer). Raises `UpstreamProtocolError` if the body ends early."""
         return _BodyIterator(self)
 
+    @property
+    def complete(self) -> bool:
+        """The whole body has been read: the chunk just returned, if any, was the last.
+
+        Lets a relay send the last chunk as the end of its response (one message, not a chunk
+        and then an empty end), without ever waiting to learn that it was the last."""
+        return self._complete
+
     async def read(self) -> bytes:
         """The rest of the body."""
         chunks: list[bytes] = []
@@ -330,25 +431,8 @@ class UpstreamResponse:
         machine = conn.h11
         chunks: list[bytes | bytearray] = []
         try:
-            while True:
-                event = machine.next_event()
-                if isinstance(event, h11.Data):
-                    if event.data:
-                        chunks.append(event.data)
-                elif event is h11.NEED_DATA:
-                    if chunks:
-                        break
-                    # h11 accepts any bytes-like object; its annotation says bytes.
-                    data = await conn.stream.receive_some(_RECEIVE_SIZE)
-                    machine.receive_data(cast(bytes, data))
-                elif isinstance(event, h11.EndOfMessage):
-                    self._complete = True
-                    break
-                else:
-                    raise UpstreamProtocolError(
-                        f"unexpected {type(event).__name__} in the response body",
-                        request_sent=True,
-                    )
+            while self._gather(machine, chunks) and not chunks:
+                machine.receive_data(await conn.receive())
         except h11.RemoteProtocolError as exc:
             self._broken = True
             raise UpstreamProtocolError(
@@ -365,15 +449,56 @@ class UpstreamResponse:
             # middle of a message and can never be reused.
             self._broken = True
             raise
-        if self._complete:
+        if self.complete:  # (set by `_gather`)
             # Hand the connection back now: a consumer that read everything but forgets
             # `aclose()` must not pin the slot.
             self._finish()
-        if not chunks:
+        return _joined(chunks)
+
+    def take_buffered(self) -> bytes | None:
+        """The body data that has already arrived, without waiting for more (None if none has);
+        `complete` then says whether it was the whole body.
+
+        A small answer usually arrives whole with its head: the relay can then send its head
+        and body at once (docs/data-plane.md, "Streaming"). Raises like `aiter_bytes()`.
+        """
+        conn = self._conn
+        if self._complete or conn is None or self._broken:
             return None
-        if len(chunks) == 1:
-            return bytes(chunks[0])
-        return b"".join(chunks)
+        chunks: list[bytes | bytearray] = []
+        try:
+            self._gather(conn.h11, chunks)
+        except h11.RemoteProtocolError as exc:
+            self._broken = True
+            raise UpstreamProtocolError(
+                f"response body from {conn.origin.key} ended early or is malformed: {exc}",
+                request_sent=True,
+            ) from exc
+        except BaseException:
+            self._broken = True
+            raise
+        if self.complete:  # (set by `_gather`)
+            self._finish()
+        return _joined(chunks)
+
+    def _gather(self, machine: h11.Connection, chunks: list[bytes | bytearray]) -> bool:
+        """Move the body data `machine` already holds into `chunks`; True when it needs more
+        bytes, False at the end of the body (`_complete` is then set)."""
+        while True:
+            event = machine.next_event()
+            if isinstance(event, h11.Data):
+                if event.data:
+                    chunks.append(event.data)
+            elif event is h11.NEED_DATA:
+                return True
+            elif isinstance(event, h11.EndOfMessage):
+                self._complete = True
+                return False
+            else:
+                raise UpstreamProtocolError(
+                    f"unexpected {type(event).__name__} in the response body",
+                    request_sent=True,
+                )
 
     def _drain_buffered(self) -> None:
         """Consume what is already buffered (no I/O): a 204, a HEAD response or a small body

@@ -40,12 +40,16 @@ class _BrokenBody:
     def __init__(self) -> None:
         self.status = 200
         self.headers = [(b"content-type", b"text/event-stream")]
+        self.complete = False  # never: the body fails first
 
     async def __aenter__(self) -> _BrokenBody:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         pass
+
+    def take_buffered(self) -> bytes | None:
+        return None  # nothing arrived with the head
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         for chunk in CHUNKS:
@@ -63,8 +67,8 @@ class _Forwarder:
         )
         return Forwarded(response=_BrokenBody(), backend=backend)  # type: ignore[arg-type]
 
-    def metric_labels(self, request: object) -> dict[str, str]:
-        return {"model": "m", "routing_key": ""}
+    def metric_labels(self, request: object) -> tuple[str, str]:
+        return "m", ""
 
 
 async def _fallback(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:

@@ -30,6 +30,7 @@ from stargate.proxy.upstream import (
     UpstreamResponse,
     make_ssl_context,
 )
+from stargate.proxy.upstream.connection import build_request
 
 # --- test server ------------------------------------------------------------------------------
 
@@ -344,6 +345,37 @@ async def test_chunked_and_content_length_bodies_both_keep_the_connection(
             assert (b"content-length", b"12") in response.headers
             assert await response.read() == b"fixed length"
     assert server.connections == 1
+
+
+async def test_complete_says_when_the_chunk_just_read_was_the_last(nursery: trio.Nursery) -> None:
+    """What lets the proxy send the last chunk as the end of its response (one message)."""
+    go_on = trio.Event()
+
+    async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
+        if request.target == b"/stream":
+            await conn.send(h11.Response(status_code=200, headers=[]), h11.Data(data=b"first"))
+            await go_on.wait()
+            await conn.send(h11.Data(data=b"last"), h11.EndOfMessage())
+        else:
+            await conn.respond(200, [], b"whole")
+
+    def complete(response: UpstreamResponse) -> bool:
+        return response.complete
+
+    server = await start_server(nursery, handler)
+    async with ConnectionPool() as pool:
+        async with await pool.request("GET", server.url("/stream"), []) as response:
+            chunks = response.aiter_bytes()
+            assert await chunks.__anext__() == b"first"
+            assert not complete(response)
+            go_on.set()
+            assert await chunks.__anext__() == b"last"
+            assert complete(response)
+        async with await pool.request("GET", server.url("/whole"), []) as response:
+            assert not complete(response)  # nothing read yet
+            assert [chunk async for chunk in response.aiter_bytes()] == [b"whole"]
+            assert complete(response)
+    assert server.connections == 1  # both complete: the connection was reused
 
 
 async def test_close_delimited_bodies_are_read_to_eof_and_not_reused(
@@ -736,6 +768,42 @@ async def test_malformed_response_head_is_a_protocol_error(nursery: trio.Nursery
         with pytest.raises(UpstreamProtocolError, match="bad response head"):
             await pool.request("GET", server.url(), [])
         assert pool.stats().open_connections == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (b"x-ok", b"plain value"),
+        (b"x-ok", b""),
+        (b"x-ok", b"caf\xc3\xa9 \t tab"),
+        (b"x-sp", b" leading"),
+        (b"x-sp", b"trailing "),
+        (b"x-ctl", b"a\x01b"),
+        (b"x-nul", b"a\x00b"),
+        (b"x-crlf", b"a\r\nb"),
+        (b"x-ff", b"a\x0cb"),
+        (b"bad name", b"v"),
+        (b"x(y", b"v"),
+        (b";", b"v"),
+        (b"", b"v"),
+    ],
+)
+def test_build_request_refuses_exactly_what_h11_refuses(name: bytes, value: bytes) -> None:
+    """The pool validates headers itself and tells h11 they are validated (`_parsed`): the same
+    grammar as h11's own check, so nothing h11 would have refused is sent."""
+    try:
+        h11.Request(method=b"POST", target=b"/v1/x", headers=[(b"host", b"h"), (name, value)])
+    except h11.LocalProtocolError:
+        h11_refuses = True
+    else:
+        h11_refuses = False
+    try:
+        build_request("POST", b"h", b"/v1/x", [(name, value)], b"{}")
+    except ValueError:
+        ours_refuses = True
+    else:
+        ours_refuses = False
+    assert ours_refuses == h11_refuses
 
 
 # --- configuration ------------------------------------------------------------------------------
