@@ -3,7 +3,10 @@ streams, and real HTTP clients (httpx and the `openai` package). Real clock, loo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -357,20 +360,64 @@ def test_requests_are_counted_by_status(replica: ProxyReplica) -> None:
 # ---- replicas of their own ----------------------------------------------------------------------
 
 
+class _Relay:
+    """A TCP relay to a backend that can stop accepting new connections while the ones it has
+    keep working: the replica's health probes reuse their kept-alive connection and keep
+    passing, so the backend stays routable, while a proxied request, which needs a connection
+    of its own, is refused. (Stopping the backend instead races its next health probe: a probe
+    that fails first unroutes it before any request could be refused.)"""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def refuse_new_connections(self) -> None:
+        # shutdown() stops listening at once, so a connect gets ECONNREFUSED (a close() alone
+        # would wait for the accepting thread's blocked accept() to return).
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
 def test_refused_connection_fails_over_to_another_backend(tmp_path: Path) -> None:
     alive = launch_mock_backend("--model", "model-a")
     doomed = launch_mock_backend("--model", "model-a")
+    relay = _Relay(int(doomed.url.rsplit(":", 1)[1]))
     replica = start_proxy_replica(tmp_path, "--lb-config-path", str(_round_robin(tmp_path)))
     try:
         replica.register("alive", alive.url, ["model-a"])
-        replica.register("doomed", doomed.url, ["model-a"])
-        doomed.stop()  # registered and routable, but now refusing connections
+        replica.register("doomed", relay.url, ["model-a"])
+        relay.refuse_new_connections()  # registered and routable, but refusing connections
         statuses = {_post(replica, HEADERS).status_code for _ in range(4)}
         assert statuses == {200}
         assert 'reason="connect_failover"' in replica.metrics()
     finally:
         replica.close()
         alive.stop()
+        doomed.stop()
 
 
 def test_slow_response_head_is_502(tmp_path: Path) -> None:
