@@ -2,9 +2,11 @@
 
 Nothing here does I/O or reads a clock. A balancer gets the target's cluster snapshots, the
 request's routing inputs and the clusters this request has already failed, and returns a `Choice` or
-None ("nothing choosable now"). Only round-robin keeps state (its counter); every instance belongs
-to one (target, algorithm definition) pair, owned by
-`stargate.load_balancing.registry.BalancerRegistry` (docs/data-plane.md, LB instances).
+None ("nothing choosable now"). This module has the protocol, the scores and the three simple
+algorithms; round-robin keeps a counter. The stateful algorithms live beside it:
+`wait_and_widen.py` (wait-and-widen) and `pulsar.py` (pulsar, pulsar-wait-and-widen), with their
+hash layouts in `hashing.py`. Every instance belongs to one (target, algorithm definition) pair,
+owned by `stargate.load_balancing.registry.BalancerRegistry` (docs/data-plane.md, LB instances).
 
 Scores (docs/data-plane.md, Scores) are plain functions of one cluster snapshot and the request,
 lower is better:
@@ -66,22 +68,44 @@ _U64_MAX_AS_FLOAT: Final = float(2**64)
 
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
-    """What a balancer may know about one request (parsed from headers: docs/data-plane.md)."""
+    """What a balancer may know about one request (parsed from headers: docs/data-plane.md).
+
+    * `routing_key`: the trimmed `x-routing-key` (None when absent or blank); with `model_id` it is
+      hashed by the affinity ring and by Pulsar (docs/data-plane.md, Hashing).
+    * `cache_affinity_key`: `x-cache-affinity-key` (None when absent or blank).
+    * `request_slo_ms`: `x-request-slo-ms`; None and 0 both mean "no SLO".
+    * `waited_ms`: how long the request has been waiting for a cluster, in milliseconds: the
+      time from the request's start to this selection, 0 for the first one. The forwarder
+      refreshes it on every pass of its routing-wait loop; it is what unlocks wait-and-widen's
+      later buckets and widens its queue SLO (docs/data-plane.md, Wait-and-widen). Balancers
+      never read a clock themselves.
+    """
 
     model_id: str
     input_tokens: int
     priority: int = 0
     cache_affinity_key: str | None = None
     request_slo_ms: int | None = None
+    routing_key: str | None = None
+    waited_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """A balancer's pick. `rank_depth` 1 means a primary selection (metric `selection=primary`);
-    every algorithm implemented here reports 1."""
+    """A balancer's pick.
+
+    `rank_depth` is the chosen cluster's position (from 1) in the ranking the algorithm walked:
+    1 is a primary selection (metric `routing_selections_total{selection="primary"}`), more is a
+    fallback (`selection="fallback"`). Only the Pulsar variants report more than 1.
+
+    `after_kv_free_tokens_skip` is True when a cluster ranked above the chosen one was passed over
+    because of its KV-cache free tokens (Pulsar with `consider_kv_free_tokens`): the forwarder
+    then counts `routing_kv_free_token_fallback_selections_total`.
+    """
 
     cluster: ClusterSnapshot
     rank_depth: int = 1
+    after_kv_free_tokens_skip: bool = False
 
 
 # ---- scores (docs/data-plane.md, Scores) ---------------------------------------------------------

@@ -10,11 +10,12 @@ startup:
 
 Every name in the file is case-sensitive kebab-case (or one of the documented aliases); only the
 header parser (`parse_algorithm_header`) lowercases and maps `_` to `-`. All six upstream
-algorithms are recognised, but only power-of-n, round-robin and random are implemented yet
-(docs/decisions.md, D6): any of the other three in a position that can be selected (the
-`default`, a `models` entry, a `request_algorithms` entry) fails at startup. Entries nested in
-a `request_algorithms` entry's own `request_algorithms` are parsed (so their errors still fail
-startup, as upstream) but never used, so they may name any algorithm.
+algorithms are implemented, each with its own fields (docs/data-plane.md, Algorithm fields): a
+field another algorithm owns is a startup error, and so is an explicit `comparator` on
+pulsar-wait-and-widen wherever it can be selected (the `default`, a `models` entry, a
+`request_algorithms` entry). Entries nested in a `request_algorithms` entry's own
+`request_algorithms` are parsed (so their errors still fail startup, as upstream) but never
+used.
 
 Parsing is two-phase, like upstream (deserialise, then build the router): every structural
 error in the file (unknown field, bad type, bad `sample_count`…) is reported before any
@@ -35,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from types import MappingProxyType
-from typing import Final, cast
+from typing import Any, Final, TypeVar, cast
 
 from stargate.documents import (
     StrictJsonError,
@@ -52,16 +53,25 @@ from stargate.load_balancing.balancers import (
     DEFAULT_SAMPLE_COUNT,
     MAX_SAMPLE_COUNT,
 )
+from stargate.load_balancing.wait_and_widen import (
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_N,
+    DEFAULT_NEXT_BUCKET_UNLOCK_FACTOR,
+    DEFAULT_TTFT_BUCKET_SIZE_MS,
+    DEFAULT_VIRTUAL_NODES,
+)
 
 __all__ = [
     "ALGORITHMS",
     "IMPLEMENTED_ALGORITHMS",
     "POWER_OF_N",
     "PULSAR",
+    "PULSAR_VARIANTS",
     "PULSAR_WAIT_AND_WIDEN",
     "RANDOM",
     "ROUND_ROBIN",
     "WAIT_AND_WIDEN",
+    "WAIT_AND_WIDEN_VARIANTS",
     "AlgorithmSpec",
     "AlgorithmUnavailable",
     "LbConfig",
@@ -85,7 +95,9 @@ PULSAR: Final = "pulsar"
 PULSAR_WAIT_AND_WIDEN: Final = "pulsar-wait-and-widen"
 
 ALGORITHMS: Final = (POWER_OF_N, WAIT_AND_WIDEN, ROUND_ROBIN, RANDOM, PULSAR, PULSAR_WAIT_AND_WIDEN)
-IMPLEMENTED_ALGORITHMS: Final = frozenset({POWER_OF_N, ROUND_ROBIN, RANDOM})
+IMPLEMENTED_ALGORITHMS: Final = frozenset(ALGORITHMS)
+PULSAR_VARIANTS: Final = frozenset({PULSAR, PULSAR_WAIT_AND_WIDEN})
+WAIT_AND_WIDEN_VARIANTS: Final = frozenset({WAIT_AND_WIDEN, PULSAR_WAIT_AND_WIDEN})
 
 # Name (exactly as written in the file) -> canonical name.
 _NAMES: Final[Mapping[str, str]] = {
@@ -100,9 +112,11 @@ _NAMES: Final[Mapping[str, str]] = {
 }
 
 _TOP_LEVEL_FIELDS: Final = ("default", "request_algorithms", "models")
+_U64_MAX: Final = 2**64 - 1
 
 
 def not_implemented_message(name: str) -> str:
+    """The startup error for an algorithm this replica does not implement (none, today)."""
     return f"{name} is not implemented yet; use power-of-n, round-robin or random"
 
 
@@ -167,8 +181,14 @@ def parse_algorithm_header(value: str) -> str:
 class AlgorithmSpec:
     """One algorithm definition: what a request resolves to, and half of an LB instance key.
 
-    `sample_count` and `comparator` are power-of-n settings; other algorithms ignore them and the
-    parser leaves them at their defaults, so equal definitions compare (and hash) equal.
+    Beyond the common fields, each setting belongs to some algorithms (docs/data-plane.md,
+    Algorithm fields): `sample_count` to power-of-n; `comparator` to power-of-n and
+    wait-and-widen; `seed` to wait-and-widen and both Pulsar variants; `consider_kv_free_tokens`
+    to the Pulsar variants; the rest to wait-and-widen and pulsar-wait-and-widen. Algorithms
+    ignore the settings they do not own and the parser leaves those at their defaults, so equal
+    definitions compare (and hash) equal. The parser stores effective values: an absent
+    `cache_affinity_backend_selection_count` is 0 (affinity off), and `n` and
+    `cache_affinity_virtual_nodes` of 0 are stored as 1.
     """
 
     name: str = POWER_OF_N
@@ -177,6 +197,18 @@ class AlgorithmSpec:
     max_input_work_seconds: float | None = None
     sample_count: int = DEFAULT_SAMPLE_COUNT
     comparator: str = DEFAULT_COMPARATOR
+    seed: str = ""
+    consider_kv_free_tokens: bool = False
+    cache_affinity_virtual_nodes: int = DEFAULT_VIRTUAL_NODES
+    cache_affinity_backend_selection_count: int = 0
+    max_queue_time_floor_ms: int | None = None
+    max_queue_time_ceil_ms: int | None = None
+    ttft_bucket_size_ms: int = DEFAULT_TTFT_BUCKET_SIZE_MS
+    next_bucket_unlock_factor: float = DEFAULT_NEXT_BUCKET_UNLOCK_FACTOR
+    n: int = DEFAULT_N
+    max_queued: int = DEFAULT_MAX_QUEUED
+    ignore_queue_time: bool = False
+    ignore_input_processing_time: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -189,6 +221,29 @@ class AlgorithmSpec:
             self.max_input_work_seconds
         ):
             raise ValueError("max_input_work_seconds must be a finite number")
+        if not isinstance(self.seed, str):
+            raise ValueError("seed must be a string")
+        unsigned = [
+            "cache_affinity_virtual_nodes",
+            "cache_affinity_backend_selection_count",
+            "ttft_bucket_size_ms",
+            "n",
+            "max_queued",
+        ]
+        unsigned += [
+            name
+            for name in ("max_queue_time_floor_ms", "max_queue_time_ceil_ms")
+            if getattr(self, name) is not None
+        ]
+        for name in unsigned:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U64_MAX:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        factor = self.next_bucket_unlock_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ValueError("next_bucket_unlock_factor must be a number")
+        if not math.isfinite(factor):
+            raise ValueError("next_bucket_unlock_factor must be a finite number")
 
     @property
     def implemented(self) -> bool:
@@ -226,8 +281,8 @@ class LbConfig:
 
 
 def default_lb_config() -> LbConfig:
-    """No `--lb-config-path`: power-of-n for every model, and every implemented algorithm
-    selectable by `x-routing-method` with default settings (upstream allows all six)."""
+    """No `--lb-config-path`: power-of-n for every model, and every algorithm (all six)
+    selectable by `x-routing-method` with default settings, as upstream."""
     return LbConfig(
         default=AlgorithmSpec(POWER_OF_N),
         request_algorithms=MappingProxyType(
@@ -271,7 +326,7 @@ def resolve(config: LbConfig, model_id: str, header_algorithm: str | None) -> Al
 
 # ---- parsing ------------------------------------------------------------------------------------
 
-_U64_MAX: Final = 2**64 - 1
+_T = TypeVar("_T")
 
 
 def _sample_count_message(value: object) -> str:
@@ -427,21 +482,58 @@ def _parse_entry(value: object, path: str) -> _Entry:
         raise LbConfigError(
             f"{path}: {name} config does not support field(s): {', '.join(unsupported)}"
         )
-    power_of_n = name == POWER_OF_N
     spec = AlgorithmSpec(
         name,
-        require_cache_affinity_key=cast("bool | None", settings.get("require_cache_affinity_key"))
-        or False,
-        require_input_tokens=cast("bool | None", settings.get("require_input_tokens")) or False,
+        require_cache_affinity_key=_setting(settings, "require_cache_affinity_key", False),
+        require_input_tokens=_setting(settings, "require_input_tokens", False),
         max_input_work_seconds=cast("float | None", settings.get("max_input_work_seconds")),
-        sample_count=cast("int", settings.get("sample_count", DEFAULT_SAMPLE_COUNT))
-        if power_of_n
-        else DEFAULT_SAMPLE_COUNT,
-        comparator=cast("str", settings.get("comparator", DEFAULT_COMPARATOR))
-        if power_of_n
-        else DEFAULT_COMPARATOR,
+        **_specific_settings(name, settings),
     )
     return _Entry(path, spec, explicit_comparator="comparator" in value, request_algorithms=nested)
+
+
+def _setting(settings: Mapping[str, object], key: str, default: _T) -> _T:
+    """A checked field's value; `default` when absent or null (null means unset)."""
+    value = settings.get(key)
+    return default if value is None else cast("_T", value)
+
+
+def _specific_settings(name: str, settings: Mapping[str, object]) -> dict[str, Any]:
+    """The `AlgorithmSpec` keywords of the fields `name` owns (the others keep their defaults,
+    so equal definitions compare equal). A pulsar-wait-and-widen `comparator` is not taken: it
+    is refused where the entry can be selected, and ignored where it cannot."""
+    out: dict[str, Any] = {}
+    if name == POWER_OF_N:
+        out["sample_count"] = _setting(settings, "sample_count", DEFAULT_SAMPLE_COUNT)
+    if name in (POWER_OF_N, WAIT_AND_WIDEN):
+        out["comparator"] = _setting(settings, "comparator", DEFAULT_COMPARATOR)
+    if name in (WAIT_AND_WIDEN, *PULSAR_VARIANTS):
+        out["seed"] = _setting(settings, "seed", "")
+    if name in PULSAR_VARIANTS:
+        out["consider_kv_free_tokens"] = _setting(settings, "consider_kv_free_tokens", False)
+    if name in WAIT_AND_WIDEN_VARIANTS:
+        # 0 virtual nodes would leave the ring empty and n = 0 would sample nothing: both are 1.
+        out["cache_affinity_virtual_nodes"] = max(
+            _setting(settings, "cache_affinity_virtual_nodes", DEFAULT_VIRTUAL_NODES), 1
+        )
+        out["cache_affinity_backend_selection_count"] = _setting(
+            settings, "cache_affinity_backend_selection_count", 0
+        )
+        for key in ("max_queue_time_floor_ms", "max_queue_time_ceil_ms"):
+            out[key] = settings.get(key)
+        out["ttft_bucket_size_ms"] = _setting(
+            settings, "ttft_bucket_size_ms", DEFAULT_TTFT_BUCKET_SIZE_MS
+        )
+        out["next_bucket_unlock_factor"] = _setting(
+            settings, "next_bucket_unlock_factor", DEFAULT_NEXT_BUCKET_UNLOCK_FACTOR
+        )
+        out["n"] = max(_setting(settings, "n", DEFAULT_N), 1)
+        out["max_queued"] = _setting(settings, "max_queued", DEFAULT_MAX_QUEUED)
+        out["ignore_queue_time"] = _setting(settings, "ignore_queue_time", False)
+        out["ignore_input_processing_time"] = _setting(
+            settings, "ignore_input_processing_time", False
+        )
+    return out
 
 
 def _parse_request_algorithms(value: object, path: str) -> dict[str, tuple[str, _Entry]]:

@@ -32,11 +32,12 @@ from stargate.load_balancing.config import (
     parse_lb_config,
     resolve,
 )
+from stargate.load_balancing.pulsar import Pulsar, PulsarWaitAndWiden
 from stargate.load_balancing.registry import BalancerRegistry, create_balancer
+from stargate.load_balancing.wait_and_widen import WaitAndWiden
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.routing.state import ClusterSnapshot, RoutingTargetKey
 
-NOT_IMPLEMENTED = "is not implemented yet; use power-of-n, round-robin or random"
 ALL_NAMES = "power-of-n, wait-and-widen, round-robin, random, pulsar, pulsar-wait-and-widen"
 COMPARATOR_NAMES = "ttft, queue-time, input-work-seconds, utilization, num-requests-queued"
 
@@ -64,7 +65,7 @@ def test_algorithm_names_canonical_and_aliases_in_the_file() -> None:
         "pulsar",
         "pulsar-wait-and-widen",
     )
-    assert sorted(IMPLEMENTED_ALGORITHMS) == ["power-of-n", "random", "round-robin"]
+    assert frozenset(ALGORITHMS) == IMPLEMENTED_ALGORITHMS
     for name in ALGORITHMS:
         assert parse_algorithm_name(name) == name
     for alias in ("power-of-two", "powerOf2", "powerOfN", "powerof2", "powerofn"):
@@ -124,8 +125,7 @@ def test_algorithm_spec_defaults_and_equality() -> None:
     assert AlgorithmSpec("round-robin") == AlgorithmSpec("round-robin")
     assert hash(AlgorithmSpec("random")) == hash(AlgorithmSpec("random"))
     assert AlgorithmSpec("power-of-n", sample_count=3) != AlgorithmSpec("power-of-n")
-    assert AlgorithmSpec("pulsar").implemented is False
-    assert AlgorithmSpec("random").implemented is True
+    assert all(AlgorithmSpec(name).implemented for name in ALGORITHMS)
 
 
 @pytest.mark.parametrize(
@@ -153,18 +153,12 @@ def test_permissive_default() -> None:
     assert config.permissive
     assert config.default == AlgorithmSpec("power-of-n")
     assert dict(config.models) == {}
-    assert dict(config.request_algorithms) == {
-        name: AlgorithmSpec(name) for name in ("power-of-n", "round-robin", "random")
-    }
+    # Upstream's permissive default: all six algorithms, with default settings.
+    assert dict(config.request_algorithms) == {name: AlgorithmSpec(name) for name in ALGORITHMS}
     assert resolve(config, "any-model", None) is config.default
     assert resolve(config, "any-model", "power-of-n") is config.default
-    assert resolve(config, "any-model", "round-robin") == AlgorithmSpec("round-robin")
-    assert resolve(config, "any-model", "random") == AlgorithmSpec("random")
-    for name in ("wait-and-widen", "pulsar", "pulsar-wait-and-widen"):
-        with pytest.raises(AlgorithmUnavailable) as info:
-            resolve(config, "any-model", name)
-        assert info.value.reason == "unavailable"
-        assert (info.value.algorithm, info.value.model_id) == (name, "any-model")
+    for name in ALGORITHMS[1:]:
+        assert resolve(config, "any-model", name) == AlgorithmSpec(name)
 
 
 def test_empty_file_is_power_of_n_and_restrictive() -> None:
@@ -261,7 +255,7 @@ def test_null_means_unset_for_optional_fields() -> None:
     assert config.models["m"].algorithm == AlgorithmSpec("random")
 
 
-def test_unimplemented_algorithms_parse_their_fields_when_not_selectable() -> None:
+def test_nested_entries_parse_their_fields_but_are_never_selectable() -> None:
     # Entries nested in an override entry are parsed and ignored, so they may name anything.
     nested = {
         "wait-and-widen": {
@@ -487,28 +481,7 @@ ERROR_CASES: list[tuple[object, str]] = [
         {"request_algorithms": {"power-of-n": "power-of-n", "powerOf2": "power-of-n"}},
         "request_algorithms.powerOf2: duplicate entry for power-of-n (also given as power-of-n)",
     ),
-    # Recognised but not implemented yet, wherever it could be selected.
-    ({"default": "pulsar"}, f"default: pulsar {NOT_IMPLEMENTED}"),
-    ({"default": "wait-and-widen"}, f"default: wait-and-widen {NOT_IMPLEMENTED}"),
-    ({"default": "groq-multiregion"}, f"default: wait-and-widen {NOT_IMPLEMENTED}"),
-    (model("pulsar-multiregion"), f"models.m: pulsar-wait-and-widen {NOT_IMPLEMENTED}"),
-    (
-        model({"algorithm": "pulsar", "seed": "s", "require_cache_affinity_key": True}),
-        f"models.m: pulsar {NOT_IMPLEMENTED}",
-    ),
-    (
-        {"request_algorithms": {"pulsar": "pulsar"}},
-        f"request_algorithms.pulsar: pulsar {NOT_IMPLEMENTED}",
-    ),
-    (
-        model(
-            {
-                "algorithm": "random",
-                "request_algorithms": {"wait-and-widen": {"algorithm": "wait-and-widen"}},
-            }
-        ),
-        f"models.m.request_algorithms.wait-and-widen: wait-and-widen {NOT_IMPLEMENTED}",
-    ),
+    # An explicit comparator on pulsar-wait-and-widen, wherever it could be selected.
     (
         model({"algorithm": "pulsar-wait-and-widen", "comparator": "ttft"}),
         "models.m: comparator is not supported for pulsar-wait-and-widen",
@@ -525,7 +498,10 @@ def test_config_errors_name_the_key(data: object, message: str) -> None:
 def test_structural_errors_come_before_semantic_ones() -> None:
     # Upstream deserialises the whole file before building the router.
     message = parse_error(
-        {"default": "pulsar", "models": {"m": {"algorithm": "power-of-n", "sample_count": 0}}}
+        {
+            "request_algorithms": {"random": "pulsar"},
+            "models": {"m": {"algorithm": "power-of-n", "sample_count": 0}},
+        }
     )
     assert message.startswith("models.m.sample_count:")
 
@@ -545,9 +521,15 @@ def test_entry_errors_follow_upstream_order() -> None:
     )
 
 
-def test_mismatch_is_reported_before_not_implemented() -> None:
-    message = parse_error({"request_algorithms": {"random": "pulsar"}})
-    assert "does not match configured algorithm pulsar" in message
+def test_mismatch_is_reported_before_the_comparator_check() -> None:
+    message = parse_error(
+        {
+            "request_algorithms": {
+                "random": {"algorithm": "pulsar-wait-and-widen", "comparator": "ttft"}
+            }
+        }
+    )
+    assert "does not match configured algorithm pulsar-wait-and-widen" in message
 
 
 # ---- resolution (docs/data-plane.md, Override resolution) ----------------------------------------
@@ -678,10 +660,17 @@ def test_resolve_wants_canonical_names() -> None:
     )
 
 
-def test_header_then_resolve_for_unimplemented_algorithms_is_unavailable() -> None:
-    for header in ("PULSAR", "groq_multiregion", "pulsar-multiregion"):
+def test_header_then_resolve_for_the_stateful_algorithms() -> None:
+    for header, name in (
+        ("PULSAR", "pulsar"),
+        ("groq_multiregion", "wait-and-widen"),
+        ("pulsar-multiregion", "pulsar-wait-and-widen"),
+    ):
+        assert resolve(default_lb_config(), "m", parse_algorithm_header(header)) == AlgorithmSpec(
+            name
+        )
         with pytest.raises(AlgorithmUnavailable):
-            resolve(default_lb_config(), "m", parse_algorithm_header(header))
+            resolve(parse_lb_config({}), "m", parse_algorithm_header(header))
 
 
 # ---- the file -----------------------------------------------------------------------------------
@@ -774,9 +763,9 @@ def test_create_balancer() -> None:
     assert (power.sample_count, power.comparator) == (5, "utilization")
     assert isinstance(create_balancer(AlgorithmSpec("round-robin")), RoundRobin)
     assert isinstance(create_balancer(AlgorithmSpec("random")), RandomChoice)
-    for name in ("wait-and-widen", "pulsar", "pulsar-wait-and-widen"):
-        with pytest.raises(NotImplementedError, match=f"{name} {NOT_IMPLEMENTED}"):
-            create_balancer(AlgorithmSpec(name))
+    assert isinstance(create_balancer(AlgorithmSpec("wait-and-widen")), WaitAndWiden)
+    assert isinstance(create_balancer(AlgorithmSpec("pulsar")), Pulsar)
+    assert isinstance(create_balancer(AlgorithmSpec("pulsar-wait-and-widen")), PulsarWaitAndWiden)
 
 
 def test_create_balancer_with_a_seeded_rng() -> None:
