@@ -137,6 +137,7 @@ class ProxyMetrics:
     retries: Counter
     retry_exhausted: Counter
     selections: Counter
+    kv_free_token_fallbacks: Counter
     admission_rejections: Counter
     duration: Histogram
     routing_duration: Histogram
@@ -188,6 +189,14 @@ class ProxyMetrics:
                 "model",
                 "routing_key",
                 "selection",
+            ),
+            kv_free_token_fallbacks=counter(
+                "routing_kv_free_token_fallback_selections_total",
+                "Pulsar choices made after skipping a higher-ranked cluster without room in its "
+                "KV cache for the request.",
+                "algorithm",
+                "model",
+                "routing_key",
             ),
             admission_rejections=counter(
                 "admission_rejections_total",
@@ -250,6 +259,9 @@ class ProxyMetrics:
 
     def count_selection(self, algorithm: str, model: str, routing_key: str, selection: str) -> None:
         _child(self.selections, (algorithm, model, routing_key, selection)).inc()
+
+    def count_kv_free_token_fallback(self, algorithm: str, model: str, routing_key: str) -> None:
+        _child(self.kv_free_token_fallbacks, (algorithm, model, routing_key)).inc()
 
     def count_admission_rejection(self, model: str, reason: str, routing_key: str) -> None:
         _child(self.admission_rejections, (model, reason, routing_key)).inc()
@@ -563,6 +575,7 @@ class DepartedSeriesSweep:
             proxy.retries,
             proxy.retry_exhausted,
             proxy.selections,
+            proxy.kv_free_token_fallbacks,
             proxy.admission_rejections,
             proxy.routing_duration,
             proxy.replay_buffer_bytes,

@@ -35,7 +35,7 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import trio
@@ -45,7 +45,6 @@ from stargate.load_balancing.balancers import (
     RoutingRequest,
     choose_backend,
     expected_queue_ms,
-    input_work_rejection,
 )
 from stargate.load_balancing.config import (
     AlgorithmSpec,
@@ -55,7 +54,7 @@ from stargate.load_balancing.config import (
     parse_algorithm_header,
     resolve,
 )
-from stargate.load_balancing.registry import BalancerRegistry
+from stargate.load_balancing.registry import BalancerRegistry, input_work_rejection_for
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import ContractError, Headers, ProxyRequest
 from stargate.proxy.retry import (
@@ -351,6 +350,7 @@ class Forwarder:
         model, routing_key = labels
         routing_request = RoutingRequest(
             model_id=request.model_id,
+            routing_key=request.routing_key,
             input_tokens=request.input_tokens,
             priority=request.priority,
             cache_affinity_key=request.cache_affinity_key,
@@ -365,13 +365,16 @@ class Forwarder:
         context = _RequestContext(request, target, body, labels, start, state)
         first_selection = True
         while True:
+            if not first_selection:
+                # How long the request has waited so far: wait-and-widen unlocks later TTFT
+                # buckets and widens its queue SLO with it (docs/data-plane.md, Wait-and-widen).
+                waited_ms = (trio.current_time() - start) * 1000.0
+                routing_request = replace(routing_request, waited_ms=waited_ms)
             snapshot = self._routing.snapshot(target)
             clusters = snapshot.clusters if snapshot is not None else ()
             eligible = [c for c in clusters if c.cluster_id not in state.failed_clusters]
             if eligible and spec.max_input_work_seconds is not None:
-                rejection = input_work_rejection(
-                    eligible, request.input_tokens, spec.max_input_work_seconds
-                )
+                rejection = input_work_rejection_for(spec, eligible, request.input_tokens)
                 if rejection is not None:
                     self._metrics.count_admission_rejection(model, rejection, routing_key)
                     return LocalError(input_work_limit_exceeded(request.model_id))
@@ -405,6 +408,8 @@ class Forwarder:
                 return LocalError(self._unavailable(request, state, bool(eligible), labels))
             selection = "primary" if choice.rank_depth <= 1 else "fallback"
             self._metrics.count_selection(spec.name, model, routing_key, selection)
+            if choice.after_kv_free_tokens_skip:
+                self._metrics.count_kv_free_token_fallback(spec.name, model, routing_key)
             outcome = await self._attempt_cluster(context, choice.cluster)
             if outcome is not None:
                 return outcome
