@@ -57,7 +57,15 @@ def _pyenv_python(version: str) -> str:
     return str(found[-1]) if found else version
 
 
-BENCH_PARTS = {"proxy", "stream", "registration", "readiness", "activator", "capacity"}
+BENCH_PARTS = {
+    "proxy",
+    "stream",
+    "registration",
+    "readiness",
+    "activator",
+    "affinity",
+    "capacity",
+}
 
 
 def _bench(session: nox.Session) -> None:

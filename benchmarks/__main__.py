@@ -2,16 +2,16 @@
 `nox -s bench -- [PART ...] [options]` runs (`nox -s bench-3.13` on Python 3.13).
 
 Without PART it runs the default suite in order: proxy, stream, registration, readiness,
-activator (each its own module in this package; `capacity`, benchmarks/capacity.py, runs only when
-named). Each part starts its own processes on loopback, stops every one of them on the way out
-(errors, SIGTERM and Ctrl-C included), keeps to a time budget of its own, and writes
+activator, affinity (each its own module in this package; `capacity`, benchmarks/capacity.py,
+runs only when named). Each part starts its own processes on loopback, stops every one of them on
+the way out (errors, SIGTERM and Ctrl-C included), keeps to a time budget of its own, and writes
 `bench-results/<part>.md` (a Markdown table headed with the date, the machine and the Python
 version) and `<part>.json`, plus PNG charts where they mean something; `bench-results/summary.md`
 then gathers every part's table found there. A part that fails is reported and the suite goes on
 to the next one; the exit status is 1 if any part failed.
 
 `--quick` is a smoke run of every part (the whole default suite in under 3 minutes); the full
-default suite takes about 12 minutes on a 2-core machine. `--profile` records a py-spy flame graph
+default suite takes about 13 minutes on a 2-core machine. `--profile` records a py-spy flame graph
 of the replica during each part's measured phase (`bench-results/<part>.svg`). `--python PATH`
 runs every server process (replica, mock engines, no-op app) on another interpreter whose
 environment has this project installed; the load generators stay on this one.
@@ -39,7 +39,7 @@ from benchmarks.common import (
     write_summary,
 )
 
-DEFAULT_PARTS = ("proxy", "stream", "registration", "readiness", "activator")
+DEFAULT_PARTS = ("proxy", "stream", "registration", "readiness", "activator", "affinity")
 PARTS = (*DEFAULT_PARTS, "capacity")
 
 

@@ -727,7 +727,15 @@ def write_part(result: PartResult, suite: Suite) -> Path:
     return path
 
 
-SUMMARY_ORDER = ("proxy", "stream", "registration", "readiness", "activator", "capacity")
+SUMMARY_ORDER = (
+    "proxy",
+    "stream",
+    "registration",
+    "readiness",
+    "activator",
+    "affinity",
+    "capacity",
+)
 
 
 def write_summary(out_dir: Path) -> Path:
