@@ -25,6 +25,7 @@ from stargate.clitools import (
     option,
 )
 from stargate.config import (
+    DEFAULT_DERIVE_AFFINITY_KEY_BYTES,
     DEFAULT_MAX_CLIENT_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS_PER_BACKEND,
     DEFAULT_METRICS_LISTEN_ADDR,
@@ -394,6 +395,24 @@ def main() -> None:
     "x-request-id is generated and returned, x-input-tokens is estimated.",
 )
 @option(
+    "--derive-affinity-key",
+    envvar="STARGATE_DERIVE_AFFINITY_KEY",
+    is_flag=True,
+    default=False,
+    help="Route a request without x-cache-affinity-key as if it carried one derived from a hash "
+    "of its prompt's start (system/developer messages, then the first "
+    "--derive-affinity-key-bytes of the conversation), so cache-affinity balancers keep a "
+    "conversation's turns together. Routing only: nothing is added upstream.",
+)
+@option(
+    "--derive-affinity-key-bytes",
+    envvar="STARGATE_DERIVE_AFFINITY_KEY_BYTES",
+    type=POSITIVE_INT,
+    default=DEFAULT_DERIVE_AFFINITY_KEY_BYTES,
+    help="How many bytes of the conversation (after the system/developer messages) a derived "
+    "affinity key covers.",
+)
+@option(
     "--lb-config-path",
     envvar="STARGATE_LB_CONFIG_PATH",
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
@@ -515,6 +534,8 @@ def serve(
     proxy_connect_timeout_ms: int,
     proxy_max_connections_per_backend: int,
     accept_openai_requests: bool,
+    derive_affinity_key: bool,
+    derive_affinity_key_bytes: int,
     lb_config_path: Path | None,
     upstream_ca_file: Path | None,
     pool_config: Path | None,
@@ -583,6 +604,8 @@ def serve(
                 connect_timeout_ms=proxy_connect_timeout_ms,
                 max_connections_per_backend=proxy_max_connections_per_backend,
                 accept_openai_requests=accept_openai_requests,
+                derive_affinity_key=derive_affinity_key,
+                derive_affinity_key_bytes=derive_affinity_key_bytes,
                 lb_config_path=lb_config_path,
                 upstream_ca_file=upstream_ca_file,
             ),

@@ -206,6 +206,8 @@ class ControlPlaneConfig:
 
 
 DEFAULT_MAX_CONNECTIONS_PER_BACKEND = 1024
+DEFAULT_DERIVE_AFFINITY_KEY_BYTES = 2048
+"""`--derive-affinity-key-bytes`: how much of a conversation a derived affinity key covers."""
 """`--proxy-max-connections-per-backend`: upstream connections (so concurrent requests and
 streams) one backend may have open. Engines (vLLM, SGLang, TensorRT-LLM) batch hundreds of
 sequences at once, and a request holds its connection for its whole stream, so the cap must not
@@ -229,8 +231,16 @@ class ProxyConfig:
     lb_config_path: Path | None = None
     upstream_ca_file: Path | None = None
     max_connections_per_backend: int = DEFAULT_MAX_CONNECTIONS_PER_BACKEND
+    # docs/data-plane.md, "Derived affinity keys" (stargate/proxy/affinity_key.py).
+    derive_affinity_key: bool = False
+    derive_affinity_key_bytes: int = DEFAULT_DERIVE_AFFINITY_KEY_BYTES
 
     def __post_init__(self) -> None:
+        if self.derive_affinity_key_bytes < 1:
+            raise ConfigError(
+                "--derive-affinity-key-bytes must be at least 1, got "
+                f"{self.derive_affinity_key_bytes}"
+            )
         if self.max_connections_per_backend < 1:
             raise ConfigError(
                 "--proxy-max-connections-per-backend must be at least 1, got "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from urllib.parse import unquote
 
 import trio
@@ -41,6 +42,7 @@ from stargate.load_balancing.config import AlgorithmSpec
 from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
 from stargate.proxy import json_scan
+from stargate.proxy.affinity_key import derive_affinity_key
 from stargate.proxy.contract import (
     ENDPOINTS,
     ContractError,
@@ -70,6 +72,10 @@ class _ClientGone(Exception):
     pass
 
 
+# Stands in for a key still to be derived from the body (header form; see `_proxy`).
+_PENDING_KEY = "prefix:pending"
+
+
 class ProxyApp:
     """ASGI app: the proxy routes, with `fallback` serving every other path."""
 
@@ -91,6 +97,8 @@ class ProxyApp:
         self._retry_budget_header = None if header is None else header.encode()
         if config.accept_openai_requests:
             json_scan.prepare("model")  # not on the first request: ~80 ms of compiling
+        # docs/data-plane.md, "Derived affinity keys": the key covers this many bytes, or 0 (off).
+        self._derive_bytes = config.derive_affinity_key_bytes if config.derive_affinity_key else 0
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] != "http":
@@ -132,12 +140,23 @@ class ProxyApp:
             # its model (and the estimate of its tokens) from the body, so it reads it first.
             if openai_form:
                 body = await _read_body(receive, headers, limit)
-                request = self._parse(scope, headers, body)
+                request = self._with_derived_key(scope, self._parse(scope, headers, body), body)
                 spec = self._forwarder.resolve_algorithm(request)
             else:
                 request = self._parse(scope, headers, b"")  # the header form reads no body
-                spec = self._forwarder.resolve_algorithm(request)
-                body = await _read_body(receive, headers, limit)
+                if self._derive_bytes and request.cache_affinity_key is None:
+                    # The key comes from the body, read after every header check: the algorithm
+                    # is checked now with a stand-in key, the key requirement once it is known.
+                    spec = self._forwarder.resolve_algorithm(
+                        replace(request, cache_affinity_key=_PENDING_KEY)
+                    )
+                    body = await _read_body(receive, headers, limit)
+                    request = self._with_derived_key(scope, request, body)
+                    if request.cache_affinity_key is None:
+                        spec = self._forwarder.resolve_algorithm(request)  # 400 if required
+                else:
+                    spec = self._forwarder.resolve_algorithm(request)
+                    body = await _read_body(receive, headers, limit)
         except ContractError as error:
             self._count_local(scope["path"], openai_form, error)
             await _respond(send, error, openai_form)
@@ -198,6 +217,19 @@ class ProxyApp:
             scheme=scope["scheme"],
             http1=scope.get("http_version") != "2",
         )
+
+    def _with_derived_key(
+        self, scope: ASGIScope, request: ProxyRequest, body: bytes | bytearray
+    ) -> ProxyRequest:
+        """`request` with a key derived from its body when it sent none and the flag is on.
+
+        Routing only: the derived key is not forwarded (docs/data-plane.md, "Derived affinity
+        keys"), and never logged (it is in no log line and no metric label).
+        """
+        if not self._derive_bytes or request.cache_affinity_key is not None:
+            return request
+        key = derive_affinity_key(scope["path"], body, self._derive_bytes)
+        return request if key is None else replace(request, cache_affinity_key=key)
 
     async def _acquire(self, request: ProxyRequest) -> Grant | None:
         """Hold a request for a pooled model until its member is resident (None: not pooled).

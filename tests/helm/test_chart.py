@@ -447,6 +447,8 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "proxyConnectTimeoutMs": 2_000,
             "proxyMaxConnectionsPerBackend": 4_096,
             "acceptOpenaiRequests": True,
+            "deriveAffinityKey": True,
+            "deriveAffinityKeyBytes": 512,
             "lbConfigPath": files["lb.json"],
             "upstreamCaFile": files["ca.pem"],
             "poolConfig": str(pool_file),
@@ -541,6 +543,8 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert (p.response_header_timeout_ms, p.connect_timeout_ms) == (120_000, 2_000)
     assert p.max_connections_per_backend == 4_096
     assert p.accept_openai_requests is True
+    assert "--derive-affinity-key" in args and "--derive-affinity-key-bytes=512" in args
+    assert (p.derive_affinity_key, p.derive_affinity_key_bytes) == (True, 512)
     assert p.lb_config_path == Path(files["lb.json"])
     assert p.upstream_ca_file == Path(files["ca.pem"])
     assert config.activator.pool_config_path == pool_file
@@ -551,7 +555,8 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
 
 
 def test_switches_set_to_false_are_not_rendered(chart: Any) -> None:
-    r = render(chart, {"serve": {"disableDnsDiscovery": False, "acceptOpenaiRequests": False}})
+    switches = {"disableDnsDiscovery": False, "acceptOpenaiRequests": False}
+    r = render(chart, {"serve": {**switches, "deriveAffinityKey": False}})
     assert r.args == DEFAULT_ARGS
 
 
@@ -877,6 +882,8 @@ def test_schema_accepts_warmup_values(chart: Any, key: str, good: object) -> Non
         {"serve": {"logLevel": "trace"}},
         {"serve": {"logFormat": "xml"}},
         {"serve": {"debugEndpoints": "false"}},
+        {"serve": {"deriveAffinityKey": "true"}},
+        {"serve": {"deriveAffinityKeyBytes": 0}},
         {"metrics": {"listenHost": ""}},
         {"readiness": {"warmupMillis": 1}},
         {"ports": {"http": 0}},

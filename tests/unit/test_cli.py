@@ -358,3 +358,33 @@ def test_max_connections_per_backend_flag(captured: list[ServeConfig]) -> None:
     result = CliRunner().invoke(main, ["serve", "--help"], env={})
     assert "--proxy-max-connections-per-backend" in result.output
     assert "STARGATE_PROXY_MAX_CONNECTIONS_PER_BACKEND" in result.output
+
+
+def test_derive_affinity_key_flags(captured: list[ServeConfig]) -> None:
+    """`--derive-affinity-key` (off by default) and `--derive-affinity-key-bytes` (default 2048):
+    flags and environment variables; 0 and negative byte counts are usage errors naming the flag,
+    in the CLI and in `ProxyConfig`."""
+    code, output = _serve([])
+    assert code == 0, output
+    assert captured[-1].proxy.derive_affinity_key is False
+    assert captured[-1].proxy.derive_affinity_key_bytes == 2048
+    code, output = _serve(["--derive-affinity-key", "--derive-affinity-key-bytes=512"])
+    assert code == 0, output
+    assert captured[-1].proxy.derive_affinity_key is True
+    assert captured[-1].proxy.derive_affinity_key_bytes == 512
+    env = {"STARGATE_DERIVE_AFFINITY_KEY": "true", "STARGATE_DERIVE_AFFINITY_KEY_BYTES": "64"}
+    code, output = _serve([], env)
+    assert code == 0, output
+    assert captured[-1].proxy.derive_affinity_key is True
+    assert captured[-1].proxy.derive_affinity_key_bytes == 64
+    for bad in ("0", "-1", "x"):
+        captured.clear()
+        code, output = _serve([f"--derive-affinity-key-bytes={bad}"])
+        assert code == 2
+        assert "'--derive-affinity-key-bytes'" in output
+        assert captured == []
+    with pytest.raises(ConfigError, match="--derive-affinity-key-bytes"):
+        ProxyConfig(derive_affinity_key_bytes=0)
+    result = CliRunner().invoke(main, ["serve", "--help"], env={})
+    assert "--derive-affinity-key-bytes" in result.output
+    assert "STARGATE_DERIVE_AFFINITY_KEY" in result.output

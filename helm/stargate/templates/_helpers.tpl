@@ -221,6 +221,8 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "proxyConnectTimeoutMs" "--proxy-connect-timeout-ms" "value")
   (list "proxyMaxConnectionsPerBackend" "--proxy-max-connections-per-backend" "value")
   (list "acceptOpenaiRequests" "--accept-openai-requests" "switch")
+  (list "deriveAffinityKey" "--derive-affinity-key" "switch")
+  (list "deriveAffinityKeyBytes" "--derive-affinity-key-bytes" "value")
   (list "lbConfigPath" "--lb-config-path" "value")
   (list "upstreamCaFile" "--upstream-ca-file" "value")
   (list "poolConfig" "--pool-config" "value")
