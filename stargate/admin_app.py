@@ -171,10 +171,13 @@ class _AdminApp(QuartTrio):
             query_args=request.query_string.decode("latin-1"),
         )
 
-    async def make_default_options_response(self) -> Response:
+    async def make_default_options_response(self, *context: Any) -> Response:
         """Quart's automatic `OPTIONS` answer (an empty 200 with `allow`), as `text/plain`: its
-        default is `text/html` (docs/clients.md, "Paths": never HTML)."""
-        response = await super().make_default_options_response()
+        default is `text/html` (docs/clients.md, "Paths": never HTML).
+
+        `context`: Quart 0.23 (the line pip picks on Python 3.13) passes the request context;
+        0.22 (Python 3.11 and 3.12) passes nothing. Both are handed on as they came."""
+        response = await super().make_default_options_response(*context)
         response.mimetype = "text/plain"
         return response
 
