@@ -14,9 +14,30 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = None  # the interpreter nox itself runs on (CI: the machine's default, 3.11)
 
 
+def _pyenv_python(version: str) -> str:
+    """`version` as nox should look for it, or the newest pyenv interpreter of that version when
+    none is on PATH (pyenv's shims only answer for the versions `pyenv` has selected)."""
+    on_path = shutil.which(f"python{version}")
+    if on_path and "shims" not in Path(on_path).parts:
+        return version
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found = sorted(
+        (root / "versions").glob(f"{version}.*/bin/python{version}"),
+        key=lambda path: [int(part) for part in path.parts[-3].split(".") if part.isdigit()],
+    )
+    return str(found[-1]) if found else version
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit, mock-clock, in-process and real-process tests."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(name="tests-3.13", python=_pyenv_python("3.13"))
+def tests_313(session: nox.Session) -> None:
+    """The whole test suite on Python 3.13, the image's interpreter (Dockerfile)."""
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs)
 
@@ -41,20 +62,6 @@ def protos(session: nox.Session) -> None:
     """Regenerate stargate/protocol/*_pb2*.py from the .proto files (commit the result)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "stargate.protocol.generate")
-
-
-def _pyenv_python(version: str) -> str:
-    """`version` as nox should look for it, or the newest pyenv interpreter of that version when
-    none is on PATH (pyenv's shims only answer for the versions `pyenv` has selected)."""
-    on_path = shutil.which(f"python{version}")
-    if on_path and "shims" not in Path(on_path).parts:
-        return version
-    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    found = sorted(
-        (root / "versions").glob(f"{version}.*/bin/python{version}"),
-        key=lambda path: [int(part) for part in path.parts[-3].split(".") if part.isdigit()],
-    )
-    return str(found[-1]) if found else version
 
 
 BENCH_PARTS = {
