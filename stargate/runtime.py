@@ -75,6 +75,7 @@ from stargate.control_plane.discovery import PublisherConfig, WatchPublisher
 from stargate.control_plane.health import probe_pool, upstream_get
 from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.control_plane.services import control_plane_app, model_discovery_app
+from stargate.gc_policy import tune_for_serving
 from stargate.health_probe import http_health_probe
 from stargate.http_limits import (
     ConnectionLimit,
@@ -738,6 +739,7 @@ async def _main(config: ServeConfig) -> int:
     except StartupError as error:
         log.error("%s", error)
         return 1
+    tune_for_serving()  # docs/performance.md, "Garbage collection"
     code = 1
     with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         try:
