@@ -1,7 +1,7 @@
 """Fixes for Hypercorn 0.18 bugs that a client could use to take a replica down, or that keep
 connections open after HTTP says they end.
 
-`apply()` installs the first twelve once (four are not fixes but cut the cost of every request:
+`apply()` installs the first thirteen once (four are not fixes but cut the cost of every request:
 writes at once, the keep-alive timer, the head with the body, the disconnect hook), when
 `stargate/serving.py` is imported; the last one wraps each served app
 (`complete_response_before_disconnect`, applied by `serving.serve_asgi`). Each fix is small,
@@ -58,6 +58,13 @@ expect as a result is in docs/http-serving.md.
   opens a shielded cancel scope and calls trio's `send_all` for every write, two trips through
   the scheduler for what is nearly always one `send(2)`. A write the socket takes whole is now
   that one syscall; the rest goes the original way.
+* A new connection closed unanswered at the drain (`_wait_for_first_request`): when a server
+  stops accepting, Hypercorn ends every idle connection at once, and a connection accepted an
+  instant before, whose request is still on its way, is idle too. Its client had connected and
+  sent its request, and read a closed connection (or a reset) instead of an answer, during every
+  rolling restart under load (tests/faults/test_sigterm_under_load.py). A connection that has not
+  had a request yet now keeps its first-request deadline (the keep-alive timeout) through the
+  drain; it is closed after its one answer, as every connection is then.
 * Keep-alive timer (`_restart_idle_timers_at_once`, a cost): stopping and restarting a
   connection's idle timer, once each per request, went through an async lock and `nursery.start`;
   now neither waits.
@@ -147,6 +154,7 @@ def apply() -> None:
     _write_head_with_body()
     _restart_idle_timers_at_once()
     _send_in_turn()
+    _wait_for_first_request()
 
 
 # --- pgjones/hypercorn#329, refused streams, GOAWAY rotation: what the connection receives -------
@@ -592,6 +600,29 @@ def _restart_idle_timers_at_once() -> None:
 
     TrioSingleTask.restart = restart  # type: ignore[method-assign]
     TrioSingleTask.stop = stop  # type: ignore[method-assign]
+
+
+def _wait_for_first_request() -> None:
+    """Through the drain, give a connection without a request yet its keep-alive timeout."""
+
+    async def idle_timeout(self: TCPServer) -> None:
+        with trio.move_on_after(self.config.keep_alive_timeout):
+            await self.context.terminated.wait()
+            if not _had_request(self):
+                await trio.sleep_forever()  # until its first request stops this timer
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+    TCPServer._idle_timeout = idle_timeout  # type: ignore[method-assign]
+
+
+def _had_request(server: TCPServer) -> bool:
+    """Whether the connection has received a request (a complete request head) yet."""
+    protocol = server.protocol.protocol
+    if isinstance(protocol, H2Protocol):
+        return bool(protocol.connection.highest_inbound_stream_id)
+    connection = protocol.connection  # h11, or a WebSocket's (upgraded by a request)
+    return not isinstance(connection, h11.Connection) or connection.their_http_version is not None
 
 
 def _peer(stream: object) -> str:

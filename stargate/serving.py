@@ -30,7 +30,7 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from stargate import http_framing, http_limits, hypercorn_fixes
+from stargate import accept_queue, http_framing, http_limits, hypercorn_fixes
 from stargate.config import ListenAddress
 
 __all__ = [
@@ -135,21 +135,27 @@ async def serve_asgi(
 ) -> None:
     """Serve `app` on an already-bound socket with Hypercorn's trio worker, in this task.
 
-    Returns after `shutdown_trigger` returns and every open connection has finished. The app is
-    wrapped so Hypercorn completes each response (closing the connection, or starting its
-    keep-alive idle timer) before the app hears `http.disconnect` (docs/http-serving.md).
+    Returns after `shutdown_trigger` returns and every open connection has finished. Before the
+    listening socket closes, new handshakes are refused and the connections the kernel already
+    queued are accepted and served (`accept_queue.stop_new_connections`). The app is wrapped so
+    Hypercorn completes each response (closing the connection, or starting its keep-alive idle
+    timer) before the app hears `http.disconnect` (docs/http-serving.md).
     """
 
     class _Started:
         def started(self, value: object = None) -> None:
             task_status.started()
 
+    async def stop_accepting() -> None:
+        await shutdown_trigger()
+        await accept_queue.stop_new_connections(sock)
+
     served: ASGIApp = hypercorn_fixes.complete_response_before_disconnect(app)
     await worker_serve(
         wrap_app(served, config.wsgi_max_body_size, "asgi"),
         config,
         sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
-        shutdown_trigger=shutdown_trigger,
+        shutdown_trigger=stop_accepting,
         task_status=_Started(),
     )
 
