@@ -23,6 +23,7 @@ from stargate.clitools import (
     log_format_option,
     log_level_option,
     option,
+    sectioned,
 )
 from stargate.config import (
     DEFAULT_DERIVE_AFFINITY_KEY_BYTES,
@@ -36,7 +37,10 @@ from stargate.config import (
     DiscoveryConfig,
     ListenAddress,
     ProxyConfig,
+    SecretsConfig,
     ServeConfig,
+    TlsConfig,
+    TracingConfig,
     WarmupConfig,
     parse_listen_address,
     validate_metrics_prefix,
@@ -193,7 +197,23 @@ def main() -> None:
     """stargate: an LLM request router replica (Pylon registration, OpenAI-compatible proxy)."""
 
 
-@main.command()
+# `stargate serve --help` lists these under their own headings (README: TLS, Worker
+# authentication, Tracing).
+SERVE_SECTIONS = {
+    "TLS": ("tls_cert_path", "tls_key_path", "tls_reload_interval_ms"),
+    "Worker authentication": (
+        "worker_auth_endpoint",
+        "worker_auth_ca_file",
+        "secrets_path",
+        "secrets_json_path",
+        "oauth2_provider_host",
+        "registration_token_file",
+    ),
+    "Tracing": ("otel_endpoint", "otel_service_name"),
+}
+
+
+@main.command(cls=sectioned(SERVE_SECTIONS))
 @option(
     "--stargate-id",
     envvar="STARGATE_ID",
@@ -298,8 +318,39 @@ def main() -> None:
     "--worker-auth-endpoint",
     envvar="STARGATE_WORKER_AUTH_ENDPOINT",
     default=None,
-    help="HOST:PORT of an llm_gateway.LlmGateway service whose AuthLlmWorker maps a Pylon's "
-    "bearer token to its routing key. Without it (and without a token file) registration is open.",
+    help="The llm_gateway.LlmGateway service (HOST:PORT, http://HOST:PORT, or https://HOST:PORT "
+    "for TLS) whose AuthLlmWorker maps a Pylon's bearer token to its routing key; checked at "
+    "start-up. Without it (and without a token file) registration is open.",
+)
+@option(
+    "--worker-auth-ca-file",
+    envvar="STARGATE_WORKER_AUTH_CA_FILE",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="CA certificates (PEM) to verify the worker-auth gateway with: the replica then dials "
+    "it over TLS (an https:// endpoint does so with the system store).",
+)
+@option(
+    "--secrets-path",
+    envvar="SECRETS_PATH",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="JSON secrets file of the replica itself: the bearer it presents to the worker-auth "
+    "gateway (at --secrets-json-path), OAuth2 client credentials (clientId, clientSecret) and "
+    "the trace exporter's tracingAccessToken. Re-read when it changes; never logged.",
+)
+@option(
+    "--secrets-json-path",
+    envvar="SECRETS_JSON_PATH",
+    default="authToken",
+    help="Dot-separated location of the worker-auth bearer in the secrets file.",
+)
+@option(
+    "--oauth2-provider-host",
+    envvar="OAUTH2_PROVIDER_HOST",
+    default=None,
+    help="Mint the worker-auth bearer by OAuth2 client credentials at <host>/token (scope "
+    "llm:check_worker), refreshed before it expires. Requires --secrets-path.",
 )
 @option(
     "--registration-token-file",
@@ -428,6 +479,42 @@ def main() -> None:
     help="Extra CA certificates (PEM) trusted for https:// backends, besides the system store.",
 )
 @option(
+    "--tls-cert-path",
+    envvar="STARGATE_TLS_CERT_PATH",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="Certificate chain (PEM) served on the HTTP and both gRPC listeners. With "
+    "--tls-key-path; re-read every --tls-reload-interval-ms.",
+)
+@option(
+    "--tls-key-path",
+    envvar="STARGATE_TLS_KEY_PATH",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+    default=None,
+    help="Private key (PEM) of --tls-cert-path.",
+)
+@option(
+    "--tls-reload-interval-ms",
+    envvar="STARGATE_TLS_RELOAD_INTERVAL_MS",
+    type=POSITIVE_INT,
+    default=30_000,
+    help="How often the TLS pair is re-read; a changed, valid pair is served to new "
+    "connections, an invalid one is refused (ERROR) and the last good one kept.",
+)
+@option(
+    "--otel-endpoint",
+    envvar="OTEL_EXPORTER_OTLP_ENDPOINT",
+    default=None,
+    help="OTLP/gRPC collector (http://host:4317) to export request traces to. Without it no "
+    "span is recorded and traceparent is forwarded untouched.",
+)
+@option(
+    "--otel-service-name",
+    envvar="OTEL_SERVICE_NAME",
+    default="stargate",
+    help="service.name of the exported spans.",
+)
+@option(
     "--pool-config",
     envvar="STARGATE_POOL_CONFIG",
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
@@ -522,6 +609,10 @@ def serve(
     registration_update_max_idle_timeout_ms: int,
     grpc_max_message_bytes: int,
     worker_auth_endpoint: str | None,
+    worker_auth_ca_file: Path | None,
+    secrets_path: Path | None,
+    secrets_json_path: str,
+    oauth2_provider_host: str | None,
     registration_token_file: Path | None,
     health_check_timeout_ms: int,
     backend_connectivity: str,
@@ -538,6 +629,11 @@ def serve(
     derive_affinity_key_bytes: int,
     lb_config_path: Path | None,
     upstream_ca_file: Path | None,
+    tls_cert_path: Path | None,
+    tls_key_path: Path | None,
+    tls_reload_interval_ms: int,
+    otel_endpoint: str | None,
+    otel_service_name: str,
     pool_config: Path | None,
     pool_resync_interval_ms: int,
     pool_controller_timeout_ms: int,
@@ -593,6 +689,8 @@ def serve(
                 worker_auth_endpoint=(worker_auth_endpoint or "").strip() or None,
                 registration_token_file=registration_token_file,
                 health_check_timeout_ms=health_check_timeout_ms,
+                oauth2_provider_host=(oauth2_provider_host or "").strip() or None,
+                worker_auth_ca_file=worker_auth_ca_file,
             ),
             proxy=ProxyConfig(
                 max_connect_retries=proxy_max_connect_retries,
@@ -614,6 +712,9 @@ def serve(
                 resync_interval_ms=pool_resync_interval_ms,
                 controller_timeout_ms=pool_controller_timeout_ms,
             ),
+            tls=TlsConfig.of(tls_cert_path, tls_key_path, tls_reload_interval_ms),
+            secrets=SecretsConfig(secrets_path, secrets_json_path.strip()),
+            tracing=TracingConfig((otel_endpoint or "").strip() or None, otel_service_name),
         )
     except ConfigError as error:
         raise click.UsageError(str(error)) from None

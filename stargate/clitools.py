@@ -8,17 +8,19 @@ these helpers; nothing here imports a part.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import click
 
 __all__ = [
     "POSITIVE_INT",
     "PositiveInt",
+    "SectionedCommand",
     "comma_list",
     "log_format_option",
     "log_level_option",
     "option",
+    "sectioned",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,6 +39,41 @@ class PositiveInt(click.ParamType[int]):
 
 
 POSITIVE_INT = PositiveInt()
+
+
+class SectionedCommand(click.Command):
+    """A command whose `--help` lists some options under their own headings.
+
+    `sections` maps a heading to the parameter names it holds (in the order declared on the
+    command); every other option stays under "Options".
+    """
+
+    sections: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        placed = {name for names in self.sections.values() for name in names}
+        rows: dict[str, list[tuple[str, str]]] = {heading: [] for heading in self.sections}
+        general: list[tuple[str, str]] = []
+        for param in self.get_params(ctx):
+            row = param.get_help_record(ctx)
+            if row is None:
+                continue
+            if param.name in placed:
+                heading = next(h for h, names in self.sections.items() if param.name in names)
+                rows[heading].append(row)
+            else:
+                general.append(row)
+        with formatter.section("Options"):
+            formatter.write_dl(general)
+        for heading, records in rows.items():
+            if records:
+                with formatter.section(heading):
+                    formatter.write_dl(records)
+
+
+def sectioned(sections: dict[str, tuple[str, ...]]) -> type[SectionedCommand]:
+    """A `SectionedCommand` class with these `sections` (for `@group.command(cls=...)`)."""
+    return type("Sectioned", (SectionedCommand,), {"sections": sections})
 
 
 def option(*names: str, envvar: str, **kwargs: Any) -> Callable[[F], F]:

@@ -24,7 +24,10 @@ __all__ = [
     "DiscoveryConfig",
     "ListenAddress",
     "ProxyConfig",
+    "SecretsConfig",
     "ServeConfig",
+    "TlsConfig",
+    "TracingConfig",
     "WarmupConfig",
     "parse_listen_address",
     "validate_metrics_prefix",
@@ -191,6 +194,12 @@ class ControlPlaneConfig:
     worker_auth_endpoint: str | None = None
     registration_token_file: Path | None = None
     health_check_timeout_ms: int = 5_000
+    # How the replica authenticates itself to the worker-auth gateway (docs/worker-auth.md): a
+    # bearer from the secrets file (`ServeConfig.secrets`), or one minted by OAuth2 client
+    # credentials at `<oauth2_provider_host>/token`; TLS to the gateway with `worker_auth_ca_file`
+    # (or an `https://` endpoint, trusting the system store).
+    oauth2_provider_host: str | None = None
+    worker_auth_ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.idle_timeout_ms < 0 or self.max_idle_timeout_ms < 0:
@@ -203,6 +212,96 @@ class ControlPlaneConfig:
             raise ConfigError(
                 "--worker-auth-endpoint cannot be combined with --registration-token-file"
             )
+        if self.worker_auth_ca_file and not self.worker_auth_endpoint:
+            raise ConfigError("--worker-auth-ca-file requires --worker-auth-endpoint")
+        if self.oauth2_provider_host is not None:
+            host = self.oauth2_provider_host
+            if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", host):
+                raise ConfigError(
+                    f"--oauth2-provider-host must be an http:// or https:// URL, got {host!r}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class SecretsConfig:
+    """The replica's own secrets file (`--secrets-path`, JSON; Kubernetes mounts and rotates it):
+    the worker-auth bearer at the dot-separated `json_path` (or, with `--oauth2-provider-host`,
+    the OAuth2 client credentials `clientId` / `clientSecret`), and the tracing exporter's
+    `tracingAccessToken`. Read when needed and re-read when it changes; never logged."""
+
+    path: Path | None = None
+    json_path: str = "authToken"
+
+    def __post_init__(self) -> None:
+        if not self.json_path or any(not part for part in self.json_path.split(".")):
+            raise ConfigError(
+                f"--secrets-json-path must be dot-separated keys (like authToken or "
+                f"nvcf.apiToken), got {self.json_path!r}"
+            )
+
+    @property
+    def json_keys(self) -> tuple[str, ...]:
+        return tuple(self.json_path.split("."))
+
+
+TLS_KEY_REQUIRED = "--tls-key-path is required with --tls-cert-path"
+TLS_CERT_REQUIRED = "--tls-cert-path is required with --tls-key-path"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """The replica's TLS identity, served on the HTTP and both gRPC listeners (docs/tls.md).
+
+    Both paths or neither (`TlsConfig.of`); the pair is re-read every `reload_interval_ms` and a
+    changed, valid pair replaces the served one for new handshakes.
+    """
+
+    cert_path: Path
+    key_path: Path
+    reload_interval_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        if self.reload_interval_ms <= 0:
+            raise ConfigError("--tls-reload-interval-ms must be greater than 0")
+
+    @classmethod
+    def of(
+        cls, cert_path: Path | None, key_path: Path | None, reload_interval_ms: int = 30_000
+    ) -> TlsConfig | None:
+        """The identity named by the two flags: None without both, an error with one."""
+        if cert_path is None and key_path is None:
+            return None
+        if key_path is None:
+            raise ConfigError(TLS_KEY_REQUIRED)
+        if cert_path is None:
+            raise ConfigError(TLS_CERT_REQUIRED)
+        return cls(cert_path, key_path, reload_interval_ms)
+
+    @property
+    def reload_interval_seconds(self) -> float:
+        return self.reload_interval_ms / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry tracing (docs/tracing.md): spans are exported over OTLP/gRPC to `endpoint`
+    when it is set; without it nothing is recorded and `traceparent` passes through untouched."""
+
+    endpoint: str | None = None
+    service_name: str = "stargate"
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and not re.fullmatch(r"https?://[^\s/]+/?", self.endpoint):
+            raise ConfigError(
+                "--otel-endpoint must be an OTLP/gRPC collector URL such as "
+                f"http://otel-collector:4317, got {self.endpoint!r}"
+            )
+        if not self.service_name.strip():
+            raise ConfigError("--otel-service-name must not be empty")
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
 
 
 DEFAULT_MAX_CONNECTIONS_PER_BACKEND = 1024
@@ -316,6 +415,9 @@ class ServeConfig:
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     activator: ActivatorConfig = field(default_factory=ActivatorConfig)
+    tls: TlsConfig | None = None
+    secrets: SecretsConfig = SecretsConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self) -> None:
         if not self.stargate_id:
@@ -339,6 +441,11 @@ class ServeConfig:
         if self.max_client_connections < 0:
             raise ConfigError("--max-client-connections must not be negative (0 = unlimited)")
         validate_metrics_prefix(self.metrics_prefix)
+        if self.control_plane.oauth2_provider_host and self.secrets.path is None:
+            raise ConfigError(
+                "--oauth2-provider-host requires --secrets-path (SECRETS_PATH): the file holds "
+                "the OAuth2 client credentials"
+            )
 
     @property
     def shutdown_drain_timeout_seconds(self) -> float:
