@@ -32,7 +32,14 @@ from stargate import __version__, runtime  # noqa: E402
 from stargate import cli as stargate_cli  # noqa: E402
 from stargate.activator.config import load_pool_config  # noqa: E402
 from stargate.cli import main  # noqa: E402
-from stargate.config import ListenAddress, ServeConfig, WarmupConfig  # noqa: E402
+from stargate.config import (  # noqa: E402
+    ListenAddress,
+    SecretsConfig,
+    ServeConfig,
+    TlsConfig,
+    TracingConfig,
+    WarmupConfig,
+)
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "stargate"
 RELEASE = "router"
@@ -257,9 +264,9 @@ def test_default_rendering(chart: Any, cli: Any) -> None:
     }
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "grpc": 50071, "discovery": 50073, "metrics": 9090}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
     assert c["readinessProbe"]["periodSeconds"] == 2
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
 
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0
@@ -412,7 +419,8 @@ def test_min_ready_seconds_must_cover_the_stability_window(chart: Any) -> None:
 
 def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> None:
     files = {}
-    for name, content in [("token", "s3cret\n"), ("lb.json", "{}\n"), ("ca.pem", "")]:
+    contents = [("token", "s3cret\n"), ("lb.json", "{}\n"), ("ca.pem", ""), ("secrets.json", "{}")]
+    for name, content in [*contents, ("tls.crt", ""), ("tls.key", "")]:
         (tmp_path / name).write_text(content)
         files[name] = str(tmp_path / name)
     pool_file = tmp_path / "pools.yaml"
@@ -436,6 +444,10 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "registrationUpdateMaxIdleTimeoutMs": 0,
             "grpcMaxMessageBytes": 16_777_216,
             "workerAuthEndpoint": "auth.example:9090",  # excludes a token file (see below)
+            "workerAuthCaFile": files["ca.pem"],
+            "secretsPath": files["secrets.json"],
+            "secretsJsonPath": "nvcf.apiToken",
+            "oauth2ProviderHost": "https://login.example",
             "healthCheckTimeoutMs": 1_500,
             "backendConnectivity": "direct",
             "proxyMaxConnectRetries": 0,
@@ -451,6 +463,11 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "deriveAffinityKeyBytes": 512,
             "lbConfigPath": files["lb.json"],
             "upstreamCaFile": files["ca.pem"],
+            "tlsCertPath": files["tls.crt"],
+            "tlsKeyPath": files["tls.key"],
+            "tlsReloadIntervalMs": 5_000,
+            "otelEndpoint": "http://collector.example:4317",
+            "otelServiceName": "router-x",
             "poolConfig": str(pool_file),
             "poolResyncIntervalMs": 2_500,
             "poolControllerTimeoutMs": 4_000,
@@ -547,6 +564,11 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert (p.derive_affinity_key, p.derive_affinity_key_bytes) == (True, 512)
     assert p.lb_config_path == Path(files["lb.json"])
     assert p.upstream_ca_file == Path(files["ca.pem"])
+    assert cp.worker_auth_ca_file == Path(files["ca.pem"])
+    assert cp.oauth2_provider_host == "https://login.example"
+    assert config.secrets == SecretsConfig(Path(files["secrets.json"]), "nvcf.apiToken")
+    assert config.tls == TlsConfig(Path(files["tls.crt"]), Path(files["tls.key"]), 5_000)
+    assert config.tracing == TracingConfig("http://collector.example:4317", "router-x")
     assert config.activator.pool_config_path == pool_file
     assert (config.activator.resync_interval_ms, config.activator.controller_timeout_ms) == (
         2_500,
@@ -898,3 +920,60 @@ def test_schema_rejects(chart: Any, values: dict[str, Any]) -> None:
         chart.validate_schema(values)
     with pytest.raises(helm_python.HelmError):  # render applies the schema too
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- TLS and the secrets file (docs/tls.md, docs/worker-auth.md) ---------------------------------
+
+
+def test_tls_secret_is_mounted_as_a_directory_and_probes_use_https(chart: Any) -> None:
+    plain = render(chart)
+    assert plain.container["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
+    assert not any(a.startswith("--tls-") for a in plain.args)
+
+    r = render(chart, {"tls": {"secretName": "router-tls"}})
+    assert "--tls-cert-path=/etc/stargate-tls/tls.crt" in r.args
+    assert "--tls-key-path=/etc/stargate-tls/tls.key" in r.args
+    (mount,) = [m for m in r.container["volumeMounts"] if m["name"] == "tls"]
+    assert mount == {"name": "tls", "mountPath": "/etc/stargate-tls", "readOnly": True}
+    assert "subPath" not in mount  # a subPath mount never sees a renewed Secret
+    (volume,) = [v for v in r.pod["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "router-tls"
+    assert {item["key"] for item in volume["secret"]["items"]} == {"tls.crt", "tls.key"}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert r.container[probe]["httpGet"]["scheme"] == "HTTPS"
+
+    own = render(chart, {"serve": {"tlsCertPath": "/m/c.pem", "tlsKeyPath": "/m/k.pem"}})
+    assert own.container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert "--tls-cert-path=/m/c.pem" in own.args
+
+
+def test_tls_guards(chart: Any) -> None:
+    both = {"tls": {"secretName": "x"}, "serve": {"tlsCertPath": "/c", "tlsKeyPath": "/k"}}
+    with pytest.raises(helm_python.HelmError, match=r"either tls\.secretName"):
+        chart.render(both, name=RELEASE, namespace=NAMESPACE)
+    with pytest.raises(helm_python.HelmError, match="--tls-key-path is required"):
+        chart.render({"serve": {"tlsCertPath": "/c"}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_secrets_file_is_mounted_and_passed(chart: Any) -> None:
+    values = {
+        "secretsFile": {"secretName": "router-secrets", "key": "gateway.json"},
+        "serve": {"workerAuthEndpoint": "https://gw:9090", "oauth2ProviderHost": "https://idp"},
+    }
+    r = render(chart, values)
+    assert "--secrets-path=/etc/stargate-secrets/gateway.json" in r.args
+    assert "--oauth2-provider-host=https://idp" in r.args
+    (mount,) = [m for m in r.container["volumeMounts"] if m["name"] == "secrets-file"]
+    assert mount["mountPath"] == "/etc/stargate-secrets" and "subPath" not in mount
+    (volume,) = [v for v in r.pod["volumes"] if v["name"] == "secrets-file"]
+    assert volume["secret"]["secretName"] == "router-secrets"
+    with pytest.raises(helm_python.HelmError, match="requires a secrets file"):
+        chart.render(
+            {"serve": {"oauth2ProviderHost": "https://idp"}}, name=RELEASE, namespace=NAMESPACE
+        )
+    with pytest.raises(helm_python.HelmError, match=r"either secretsFile\.secretName"):
+        chart.render(
+            {"secretsFile": {"secretName": "s"}, "serve": {"secretsPath": "/x.json"}},
+            name=RELEASE,
+            namespace=NAMESPACE,
+        )

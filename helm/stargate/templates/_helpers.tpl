@@ -85,6 +85,11 @@ CLI, not the chart, rejects it.
 brackets. The port is always ports.metrics, so the containerPort, the headless Service and the
 ServiceMonitor stay on the port the listener binds.
 */}}
+{{- /* HTTPS for the kubelet's probes when the HTTP listener serves TLS (it does not verify). */}}
+{{- define "stargate.probeScheme" -}}
+{{- if or .Values.tls.secretName (not (kindIs "invalid" .Values.serve.tlsCertPath)) }}HTTPS{{ else }}HTTP{{ end }}
+{{- end }}
+
 {{- define "stargate.metricsListenAddr" -}}
 {{- $host := toString (default "0.0.0.0" .Values.metrics.listenHost) }}
 {{- if and (contains ":" $host) (not (hasPrefix "[" $host)) }}
@@ -150,6 +155,19 @@ controller several replicas would scale down each other's busy members (README, 
 {{- fail "podDisruptionBudget: set exactly one of maxUnavailable and minAvailable" }}
 {{- end }}
 {{- end }}
+{{- $s := .Values.serve }}
+{{- if and .Values.tls.secretName (or (not (kindIs "invalid" $s.tlsCertPath)) (not (kindIs "invalid" $s.tlsKeyPath))) }}
+{{- fail "set either tls.secretName (the chart mounts it and passes --tls-cert-path/--tls-key-path) or serve.tlsCertPath/serve.tlsKeyPath, not both" }}
+{{- end }}
+{{- if ne (kindIs "invalid" $s.tlsCertPath) (kindIs "invalid" $s.tlsKeyPath) }}
+{{- fail "serve.tlsCertPath and serve.tlsKeyPath go together (--tls-key-path is required with --tls-cert-path)" }}
+{{- end }}
+{{- if and .Values.secretsFile.secretName (not (kindIs "invalid" $s.secretsPath)) }}
+{{- fail "set either secretsFile.secretName (the chart mounts it and passes --secrets-path) or serve.secretsPath, not both" }}
+{{- end }}
+{{- if and (not (kindIs "invalid" $s.oauth2ProviderHost)) (not .Values.secretsFile.secretName) (kindIs "invalid" $s.secretsPath) }}
+{{- fail "serve.oauth2ProviderHost requires a secrets file (secretsFile.secretName or serve.secretsPath): it holds the OAuth2 client credentials" }}
+{{- end }}
 {{- /* minReadySeconds must cover the warmup stability window (docs/decisions.md, D2; Istio #21228). */}}
 {{- $r := .Values.readiness }}
 {{- $warmup := ternary 60000 $r.warmupMs (kindIs "invalid" $r.warmupMs) | int64 }}
@@ -195,6 +213,13 @@ truthiness, decides: 0, false and "" are rendered.
 {{- if $v.pools.enabled }}
 {{- $args = append $args "--pool-config=/etc/stargate/pools.yaml" }}
 {{- end }}
+{{- if $v.tls.secretName }}
+{{- $args = append $args (printf "--tls-cert-path=%s/tls.crt" $v.tls.mountPath) }}
+{{- $args = append $args (printf "--tls-key-path=%s/tls.key" $v.tls.mountPath) }}
+{{- end }}
+{{- if $v.secretsFile.secretName }}
+{{- $args = append $args (printf "--secrets-path=%s/%s" $v.secretsFile.mountPath $v.secretsFile.key) }}
+{{- end }}
 {{- /* [key, flag, kind]: value = --flag=<v>; switch = bare --flag when true; toggle = --flag when
 true, --no-flag when false; list = one --flag=<item> each */}}
 {{- $flags := list
@@ -210,6 +235,10 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "grpcMaxMessageBytes" "--grpc-max-message-bytes" "value")
   (list "workerAuthEndpoint" "--worker-auth-endpoint" "value")
   (list "registrationTokenFile" "--registration-token-file" "value")
+  (list "workerAuthCaFile" "--worker-auth-ca-file" "value")
+  (list "secretsPath" "--secrets-path" "value")
+  (list "secretsJsonPath" "--secrets-json-path" "value")
+  (list "oauth2ProviderHost" "--oauth2-provider-host" "value")
   (list "healthCheckTimeoutMs" "--health-check-timeout-ms" "value")
   (list "backendConnectivity" "--backend-connectivity" "value")
   (list "proxyMaxConnectRetries" "--proxy-max-connect-retries" "value")
@@ -225,6 +254,11 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "deriveAffinityKeyBytes" "--derive-affinity-key-bytes" "value")
   (list "lbConfigPath" "--lb-config-path" "value")
   (list "upstreamCaFile" "--upstream-ca-file" "value")
+  (list "tlsCertPath" "--tls-cert-path" "value")
+  (list "tlsKeyPath" "--tls-key-path" "value")
+  (list "tlsReloadIntervalMs" "--tls-reload-interval-ms" "value")
+  (list "otelEndpoint" "--otel-endpoint" "value")
+  (list "otelServiceName" "--otel-service-name" "value")
   (list "poolConfig" "--pool-config" "value")
   (list "poolResyncIntervalMs" "--pool-resync-interval-ms" "value")
   (list "poolControllerTimeoutMs" "--pool-controller-timeout-ms" "value")
