@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from stargate import runtime
 from stargate.cli import main
-from stargate.config import ConfigError, ListenAddress, ProxyConfig, ServeConfig, WarmupConfig
+from stargate.config import (
+    ConfigError,
+    ListenAddress,
+    ProxyConfig,
+    SecretsConfig,
+    ServeConfig,
+    TlsConfig,
+    TracingConfig,
+    WarmupConfig,
+)
 
 
 @pytest.fixture
@@ -388,3 +398,100 @@ def test_derive_affinity_key_flags(captured: list[ServeConfig]) -> None:
     result = CliRunner().invoke(main, ["serve", "--help"], env={})
     assert "--derive-affinity-key-bytes" in result.output
     assert "STARGATE_DERIVE_AFFINITY_KEY" in result.output
+
+
+# --- TLS, the replica's own credentials, tracing (issue 15) --------------------------------------
+
+
+def test_tls_credentials_and_tracing_flags_from_the_environment(
+    captured: list[ServeConfig], tmp_path: Path
+) -> None:
+    for name in ("tls.crt", "tls.key", "secrets.json", "gateway-ca.pem"):
+        (tmp_path / name).write_text("")
+    env = {
+        "STARGATE_TLS_CERT_PATH": str(tmp_path / "tls.crt"),
+        "STARGATE_TLS_KEY_PATH": str(tmp_path / "tls.key"),
+        "STARGATE_TLS_RELOAD_INTERVAL_MS": "2000",
+        "STARGATE_WORKER_AUTH_ENDPOINT": "https://gateway:9090",
+        "STARGATE_WORKER_AUTH_CA_FILE": str(tmp_path / "gateway-ca.pem"),
+        "SECRETS_PATH": str(tmp_path / "secrets.json"),  # the Rust router's variable names
+        "SECRETS_JSON_PATH": "nvcfApiToken",
+        "OAUTH2_PROVIDER_HOST": "https://idp.example",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+        "OTEL_SERVICE_NAME": "router-a",
+    }
+    code, output = _serve([], env)
+    assert code == 0, output
+    (config,) = captured
+    assert config.tls == TlsConfig(tmp_path / "tls.crt", tmp_path / "tls.key", 2000)
+    assert config.secrets == SecretsConfig(tmp_path / "secrets.json", "nvcfApiToken")
+    assert config.control_plane.worker_auth_endpoint == "https://gateway:9090"
+    assert config.control_plane.worker_auth_ca_file == tmp_path / "gateway-ca.pem"
+    assert config.control_plane.oauth2_provider_host == "https://idp.example"
+    assert config.tracing == TracingConfig("http://collector:4317", "router-a")
+
+
+def test_tls_credentials_and_tracing_are_off_by_default(captured: list[ServeConfig]) -> None:
+    code, output = _serve([])
+    assert code == 0, output
+    (config,) = captured
+    assert config.tls is None
+    assert config.secrets == SecretsConfig(None, "authToken")
+    assert config.tracing == TracingConfig(None, "stargate") and not config.tracing.enabled
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("--tls-cert-path", "--tls-key-path is required with --tls-cert-path"),
+        ("--tls-key-path", "--tls-cert-path is required with --tls-key-path"),
+        ("--secrets-path", None),  # alone it is fine
+    ],
+)
+def test_half_a_tls_pair_is_a_usage_error(
+    captured: list[ServeConfig], tmp_path: Path, given: str, message: str | None
+) -> None:
+    (tmp_path / "f").write_text("{}")
+    code, output = _serve([f"{given}={tmp_path / 'f'}"])
+    if message is None:
+        assert code == 0, output
+        return
+    assert code == 2, output
+    assert message in output
+    assert captured == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--oauth2-provider-host=https://idp"], "--oauth2-provider-host requires --secrets-path"),
+        (["--oauth2-provider-host=idp:443", "--secrets-path={f}"], "must be an http:// or"),
+        (["--worker-auth-ca-file={f}"], "--worker-auth-ca-file requires --worker-auth-endpoint"),
+        (["--secrets-json-path=a..b"], "--secrets-json-path must be dot-separated keys"),
+        (["--otel-endpoint=collector:4317"], "--otel-endpoint must be an OTLP/gRPC collector URL"),
+        (["--otel-service-name= "], "--otel-service-name must not be empty"),
+        (["--tls-reload-interval-ms=0"], "value must be greater than 0"),
+    ],
+)
+def test_bad_credentials_and_tracing_settings_are_usage_errors(
+    captured: list[ServeConfig], tmp_path: Path, args: list[str], message: str
+) -> None:
+    (tmp_path / "f").write_text("{}")
+    code, output = _serve([arg.format(f=tmp_path / "f") for arg in args])
+    assert code == 2, output
+    assert message in output
+    assert captured == []
+
+
+def test_serve_help_groups_tls_worker_auth_and_tracing_flags() -> None:
+    result = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200)
+    text = result.output
+    headings = [text.index(h) for h in ("Options:", "TLS:", "Worker authentication:", "Tracing:")]
+    assert headings == sorted(headings)
+    tls = text[text.index("TLS:") : text.index("Worker authentication:")]
+    assert "--tls-cert-path" in tls and "--tls-reload-interval-ms" in tls
+    auth = text[text.index("Worker authentication:") : text.index("Tracing:")]
+    for flag in ("--worker-auth-endpoint", "--secrets-path", "--oauth2-provider-host"):
+        assert flag in auth
+    assert "--otel-endpoint" in text[text.index("Tracing:") :]
+    assert "--tls-cert-path" not in text[: text.index("TLS:")]
