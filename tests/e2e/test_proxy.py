@@ -67,7 +67,14 @@ def start_proxy_replica(log_dir: Path, *extra: str) -> ProxyReplica:
         *extra,
     )
     replica = ProxyReplica(process, ports)
-    wait_until(lambda: httpx.get(f"{replica.base}/healthz").status_code == 200, 15, "the replica")
+
+    def serving() -> bool:
+        code = process.process.poll()
+        if code is not None:  # say why at once, rather than time out on a dead process
+            raise AssertionError(f"the replica exited with {code}:\n{process.log[-3000:]}")
+        return httpx.get(f"{replica.base}/healthz").status_code == 200
+
+    wait_until(serving, 15, "the replica")
     return replica
 
 
