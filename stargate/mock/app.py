@@ -481,6 +481,9 @@ class MockBackend:
     ) -> bool:
         """Send the SSE stream; True if it stopped after `drop_after` events to be aborted."""
         headers = [*_SSE_HEADERS, *planned.headers, *self._common_headers(scope)]
+        if _header(scope, b"x-mock-echo-headers") == b"1":  # a stream has no JSON body for them
+            echoed = json.dumps(_received_headers(scope), separators=(",", ":"))
+            headers.append((b"x-mock-request-headers", echoed.encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         events = planned.events
         limit = len(events) if drop_after is None else drop_after

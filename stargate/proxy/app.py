@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import trio
@@ -56,6 +57,9 @@ from stargate.proxy.contract import (
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
 from stargate.proxy.upstream import UpstreamError
 
+if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
+    from stargate.tracing.request import RequestSpan, RequestTracer
+
 __all__ = ["ProxyApp", "UpstreamBodyError"]
 
 log = logging.getLogger(__name__)
@@ -87,9 +91,12 @@ class ProxyApp:
         fallback: ASGIApp,
         *,
         activator: Activator | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._forwarder = forwarder
         self._activator = activator
+        # None with tracing off: then a request pays one `is None` test for it (docs/tracing.md).
+        self._tracer = tracer
         self._config = config
         self._metrics = metrics
         self._fallback = fallback
@@ -123,14 +130,44 @@ class ProxyApp:
             return
         self._metrics.in_flight.inc()
         try:
-            await self._proxy(scope, receive, send, openai_form)
+            if self._tracer is None:
+                await self._proxy(scope, receive, send, openai_form)
+            else:
+                await self._proxy_traced(scope, receive, send, openai_form, self._tracer)
         except _ClientGone:
             pass  # not counted: the client left before a final status
         finally:
             self._metrics.in_flight.dec()
 
+    async def _proxy_traced(
+        self,
+        scope: ASGIScope,
+        receive: ASGIReceive,
+        send: ASGISend,
+        openai_form: bool,
+        tracer: RequestTracer,
+    ) -> None:
+        """`_proxy` inside the request's root span, which ends when the response has ended (a
+        stream's last chunk, or the client leaving), not when its head was sent."""
+        span = tracer.start(scope["path"], scope["headers"])
+        try:
+            await self._proxy(scope, receive, span.wrap_send(send), openai_form, span)
+        except _ClientGone:
+            span.client_gone()
+            raise
+        except Exception as error:
+            span.failed(error)
+            raise
+        finally:
+            span.end()
+
     async def _proxy(
-        self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend, openai_form: bool
+        self,
+        scope: ASGIScope,
+        receive: ASGIReceive,
+        send: ASGISend,
+        openai_form: bool,
+        span: RequestSpan | None = None,
     ) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]  # ASGI: names already lower-case
         limit = self._config.max_replay_body_bytes
@@ -168,7 +205,7 @@ class ProxyApp:
             with trio.CancelScope() as gone:
                 hook.on_disconnect(gone.cancel)
                 try:
-                    await self._exchange(send, request, spec, body)
+                    await self._exchange(send, request, spec, body, span)
                 finally:
                     hook.on_disconnect(None)
             if gone.cancelled_caught:
@@ -177,24 +214,33 @@ class ProxyApp:
         completed = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._exchange(send, request, spec, body)
+            await self._exchange(send, request, spec, body, span)
             completed = True
             nursery.cancel_scope.cancel()
         if not completed:
             raise _ClientGone
 
     async def _exchange(
-        self, send: ASGISend, request: ProxyRequest, spec: AlgorithmSpec, body: bytes | bytearray
+        self,
+        send: ASGISend,
+        request: ProxyRequest,
+        spec: AlgorithmSpec,
+        body: bytes | bytearray,
+        span: RequestSpan | None = None,
     ) -> None:
         """Hold a pool slot if the model is pooled, forward, and answer."""
         grant: Grant | None = None
         try:
-            grant = await self._acquire(request)
+            grant = await self._acquire(request, span)
         except ActivatorError as error:
             await self._answer(send, request, _pool_error(error))
             return
         try:
-            outcome = await self._forwarder.forward(request, spec, body)
+            outcome = await (
+                self._forwarder.forward(request, spec, body)
+                if span is None
+                else self._forwarder.forward(request, spec, body, span)
+            )
             if isinstance(outcome, LocalError):
                 await self._answer(send, request, outcome.error)
             else:
@@ -231,17 +277,25 @@ class ProxyApp:
         key = derive_affinity_key(scope["path"], body, self._derive_bytes)
         return request if key is None else replace(request, cache_affinity_key=key)
 
-    async def _acquire(self, request: ProxyRequest) -> Grant | None:
+    async def _acquire(self, request: ProxyRequest, span: RequestSpan | None) -> Grant | None:
         """Hold a request for a pooled model until its member is resident (None: not pooled).
 
-        Pools are unscoped: a request with a routing key is never held.
+        Pools are unscoped: a request with a routing key is never held. With tracing on, the
+        hold time goes on the request's span (granted or refused).
         """
         activator = self._activator
         if activator is None or request.routing_key is not None:
             return None
-        if activator.pool_of(request.model_id) is None:
+        pool = activator.pool_of(request.model_id)
+        if pool is None:
             return None
-        return await activator.acquire(request.model_id)
+        if span is None:
+            return await activator.acquire(request.model_id)
+        started = trio.current_time()
+        try:
+            return await activator.acquire(request.model_id)
+        finally:
+            span.pool_held(pool, trio.current_time() - started)
 
     async def _stream(self, send: ASGISend, request: ProxyRequest, outcome: Forwarded) -> None:
         response, backend = outcome.response, outcome.backend

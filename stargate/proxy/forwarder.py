@@ -36,7 +36,7 @@ import random
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -82,6 +82,9 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+
+if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
+    from stargate.tracing.request import AttemptSpan, RequestSpan
 
 __all__ = [
     "UNREGISTERED",
@@ -220,6 +223,7 @@ class _RequestContext:
     labels: tuple[str, str]
     start: float
     attempts: Attempts
+    trace: RequestSpan | None = None  # the request's root span, with tracing on
 
 
 class Forwarder:
@@ -342,9 +346,14 @@ class Forwarder:
         return spec
 
     async def forward(
-        self, request: ProxyRequest, spec: AlgorithmSpec, body: bytes | bytearray
+        self,
+        request: ProxyRequest,
+        spec: AlgorithmSpec,
+        body: bytes | bytearray,
+        trace: RequestSpan | None = None,
     ) -> Forwarded | LocalError:
-        """Route and attempt until a final response (or local error) for `request`."""
+        """Route and attempt until a final response (or local error) for `request`; `trace`
+        (tracing on) gets the routing decision and a child span per attempt."""
         target = RoutingTargetKey(request.routing_key, request.model_id)
         labels = self.metric_labels(request)
         model, routing_key = labels
@@ -362,7 +371,9 @@ class Forwarder:
             None if request.retry_budget_ms is None else start + request.retry_budget_ms / 1000
         )
         state = Attempts(budget_deadline=budget_deadline)
-        context = _RequestContext(request, target, body, labels, start, state)
+        context = _RequestContext(request, target, body, labels, start, state, trace)
+        if trace is not None:
+            trace.set_request(request, spec.name, len(body))
         first_selection = True
         while True:
             if not first_selection:
@@ -377,6 +388,8 @@ class Forwarder:
                 rejection = input_work_rejection_for(spec, eligible, request.input_tokens)
                 if rejection is not None:
                     self._metrics.count_admission_rejection(model, rejection, routing_key)
+                    if trace is not None:
+                        trace.admission_rejected(rejection)
                     return LocalError(input_work_limit_exceeded(request.model_id))
             choice = (
                 self._balancers.choose(
@@ -406,6 +419,13 @@ class Forwarder:
                 ):
                     return LocalError(no_eligible_candidates(request.model_id))
                 return LocalError(self._unavailable(request, state, bool(eligible), labels))
+            if trace is not None:
+                trace.routing_choice(
+                    len(eligible),
+                    choice.rank_depth,
+                    choice.cluster.cluster_id,
+                    choice.after_kv_free_tokens_skip,
+                )
             selection = "primary" if choice.rank_depth <= 1 else "fallback"
             self._metrics.count_selection(spec.name, model, routing_key, selection)
             if choice.after_kv_free_tokens_skip:
@@ -488,6 +508,10 @@ class Forwarder:
                 state.failed_backends.add(backend.inference_server_id)
                 continue
             headers = _attempt_headers(request.headers, cluster, request.priority)
+            attempt: AttemptSpan | None = None
+            if context.trace is not None:  # its context replaces the client's traceparent
+                attempt = context.trace.start_attempt(server_id, cluster.cluster_id, backend.url)
+                headers = attempt.inject(headers)
             url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
             self._metrics.observe_replay_buffer(request.model_id, len(context.body))
             response: UpstreamResponse | None = None
@@ -499,6 +523,8 @@ class Forwarder:
             except ConnectionPoolTimeout as error:
                 # Chosen while every candidate was at its cap, and no connection freed up within
                 # the pool's acquire timeout: nothing was sent, and the backend is not at fault.
+                if attempt is not None:
+                    attempt.failed(error)
                 self._metrics.count_attempt(server_id, model, "proxy_503", routing_key)
                 log.warning(
                     "no free upstream connection: request_id=%s backend=%s error=%s",
@@ -511,6 +537,8 @@ class Forwarder:
                 )
                 self._dispatch_failed(request)  # a pool re-checks residency (docs/activator.md)
             except UpstreamError as error:
+                if attempt is not None:
+                    attempt.failed(error)
                 self._metrics.count_attempt(server_id, model, "proxy_502", routing_key)
                 log.warning(
                     "upstream attempt failed: request_id=%s backend=%s error=%s",
@@ -525,6 +553,10 @@ class Forwarder:
                 if decision.demote:
                     self._routing.demote(backend.inference_server_id)
                 self._dispatch_failed(request)  # any kind: refused, head timeout, reset, protocol
+            except BaseException:
+                if attempt is not None:  # cancelled (the client left, shutdown): end its span
+                    attempt.abandon()
+                raise
             else:
                 if response is None:
                     # The backend stopped being routable before its head arrived: nothing was
@@ -565,6 +597,13 @@ class Forwarder:
             if decision.retry_reason is not None:
                 self._metrics.count_retry(model, decision.retry_reason, routing_key)
             record(state, decision, backend.inference_server_id, cluster.cluster_id)
+            if attempt is not None:
+                attempt.end(
+                    None if response is None else response.status,
+                    decision.retry_reason,
+                    decision.action is Action.RESPOND,
+                    state,
+                )
             if decision.action is Action.RESPOND:
                 assert response is not None  # only a response head is passed through
                 return Forwarded(response, backend)

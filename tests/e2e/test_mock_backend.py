@@ -123,6 +123,20 @@ async def test_echo_headers_only_when_asked(mock: Any) -> None:
     assert "mock_request_headers" not in response.json()
 
 
+async def test_a_stream_echoes_headers_in_a_response_header_when_asked(mock: Any) -> None:
+    client, _ = mock
+    headers = {"x-model": "mock-model", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    body = {**CHAT, "stream": True}
+    response = await client.post(
+        "/v1/chat/completions", json=body, headers={**headers, "x-mock-echo-headers": "1"}
+    )
+    echoed = json.loads(response.headers["x-mock-request-headers"])
+    assert {name: echoed[name] for name in headers} == headers
+    assert response.text.rstrip().endswith("data: [DONE]")  # the stream itself is unchanged
+    response = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert "x-mock-request-headers" not in response.headers
+
+
 async def test_chat_stream_events(mock: Any) -> None:
     client, _ = mock
     lines = await sse_lines(client, "/v1/chat/completions", {**CHAT, "stream": True})
