@@ -67,7 +67,8 @@ def create_admin_app(
 
     @app.get("/readyz")
     async def readyz() -> tuple[dict[str, Any], int]:
-        """Readiness: 200 once warmup is over and the replica is not draining, else 503.
+        """Readiness: 200 once warmup is over, the replica is not draining and its TLS
+        certificate (if any) has not expired, else 503.
 
         Probes only read the status; the JSON body says why, for the operator reading it.
         """
@@ -80,6 +81,7 @@ def create_admin_app(
             "promotion_reason": None if promotion is None else promotion.reason.value,
             "stable_samples": state.stable_samples,
             "sampled_backend_count": state.sampled_backend_count,
+            "reason": state.reason,  # why not ready (an expired TLS certificate: docs/tls.md)
         }
         return body, 200 if state.ready else 503
 

@@ -626,6 +626,8 @@ def _had_request(server: TCPServer) -> bool:
 
 
 def _peer(stream: object) -> str:
+    # A TLS connection (`trio.SSLStream`) has its socket on the stream it wraps.
+    stream = getattr(stream, "transport_stream", stream)
     sock = getattr(stream, "socket", None)
     try:
         host, port = sock.getpeername()[:2]  # type: ignore[union-attr]

@@ -44,6 +44,7 @@ __all__ = [
     "ReadinessMetrics",
     "SeriesKey",
     "SeriesSweeper",
+    "TlsMetrics",
     "metrics_asgi_app",
     "sweep_interval",
 ]
@@ -328,6 +329,33 @@ class HttpMetrics:
                 f"{prefix}http_request_body_timeouts",
                 "Requests whose body had not arrived --request-body-timeout-ms after their head "
                 "(answered 408, or cut if their response had started).",
+                registry=registry,
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TlsMetrics:
+    """The served TLS identity (stargate/tls/reloader.py; docs/tls.md). Created only when TLS is
+    configured, so a plaintext replica exports neither series."""
+
+    reloads: Counter
+    certificate_expiry: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, prefix: str) -> TlsMetrics:
+        return cls(
+            reloads=Counter(
+                f"{prefix}tls_reloads",
+                "TLS material reloads by material type and result: success (a changed, valid "
+                "pair now served to new handshakes), rejected (invalid; the last good one kept).",
+                labelnames=("material_type", "result"),
+                registry=registry,
+            ),
+            certificate_expiry=Gauge(
+                f"{prefix}tls_certificate_expiry_seconds",
+                "notAfter of the served certificate, in seconds since the epoch.",
+                labelnames=("material_type",),
                 registry=registry,
             ),
         )

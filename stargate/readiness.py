@@ -13,7 +13,9 @@ the scope ends, whichever comes first of
 
 Promotion is latched: once warm, a later drop of the backend count to zero does not make the
 replica unready (the proxy answers such requests itself; pulling every replica out of the Service
-would turn 503s into refused connections).
+would turn 503s into refused connections). The one exception is TLS (docs/tls.md): while the
+served certificate is expired (now > its notAfter) `/readyz` is 503 with phase
+`certificate_expired`, promoted or not, until a reload serves a valid one.
 
 `accepting_work` and `next_change` are what the gRPC health service reads (docs/grpc-health.md):
 one predicate and one change notification, so new phases need not touch the health service.
@@ -22,8 +24,10 @@ one predicate and one change notification, so new phases need not touch the heal
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import trio
 
@@ -34,6 +38,11 @@ from stargate.warmup import PromotionReason, WarmupSchedule
 __all__ = ["Promotion", "Readiness", "ReadinessState"]
 
 log = logging.getLogger(__name__)
+
+EXPIRY_MARGIN_SECONDS = 0.001
+"""Past notAfter by this much when the expiry watcher wakes: expiry is strictly after it."""
+EXPIRY_RECHECK_SECONDS = 60.0
+"""The expiry watcher re-reads the wall clock at least this often."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +60,11 @@ class ReadinessState:
     """A point-in-time view for `/readyz` bodies and `/debug` pages."""
 
     ready: bool
-    phase: str  # "warming", "ready", "leaving" or "draining"
+    phase: str  # "warming", "ready", "certificate_expired", "leaving" or "draining"
     promotion: Promotion | None
     stable_samples: int
     sampled_backend_count: int | None
+    reason: str | None = None  # why not ready, for people; None when ready
 
 
 class Readiness:
@@ -65,8 +75,16 @@ class Readiness:
     at once without reading anything.
     """
 
-    def __init__(self, config: WarmupConfig, metrics: ReadinessMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: WarmupConfig,
+        metrics: ReadinessMetrics | None = None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._config = config
+        self._wall_clock = wall_clock  # unix time, for certificate expiry (tests pass a fake)
+        self._certificate_not_after: float | None = None  # without TLS: never expires
         self._metrics = metrics
         self._warmup_scope = trio.CancelScope()
         self._promoted = trio.Event()
@@ -87,7 +105,14 @@ class Readiness:
     @property
     def ready(self) -> bool:
         """True when `/readyz` should answer 200."""
-        return self._promotion is not None and not self._leaving
+        return self._promotion is not None and not self._leaving and not self.certificate_expired
+
+    @property
+    def certificate_expired(self) -> bool:
+        """True while the served TLS certificate is past its notAfter (always False without
+        TLS). Read from the wall clock at each call, so a probe sees the exact moment."""
+        not_after = self._certificate_not_after
+        return not_after is not None and _expired(not_after, self._wall_clock())
 
     @property
     def warm(self) -> bool:
@@ -100,7 +125,8 @@ class Readiness:
 
     @property
     def accepting_work(self) -> bool:
-        """True until a shutdown begins (the leave phase, then draining).
+        """True until a shutdown begins (the leave phase, then draining), and while the served
+        TLS certificate is not expired (docs/tls.md).
 
         Unlike `ready` it is True while warming: a warming replica must take Pylon registrations
         (they are what ends warmup) and can answer model discovery from its routing state. The
@@ -108,10 +134,11 @@ class Readiness:
         predicate, not on phase names. While leaving the replica still serves what reaches it,
         but health checkers should move new work elsewhere, exactly as `/readyz` says.
         """
-        return not self._leaving
+        return not self._leaving and not self.certificate_expired
 
     def next_change(self) -> trio.Event:
-        """An event set at the next change of `warm`, `ready`, `draining` or `accepting_work`.
+        """An event set at the next change of `warm`, `ready`, `draining`, `accepting_work` or
+        the served certificate.
 
         Take the event before reading the state, then wait on it: a change that happens in
         between (say, while sending the state to a client) still wakes the waiter. Each change
@@ -129,20 +156,29 @@ class Readiness:
         return self._leaving
 
     def state(self) -> ReadinessState:
+        reason: str | None
         if self._draining:
-            phase = "draining"
+            phase, reason = "draining", "the replica is draining (shutting down)"
         elif self._leaving:
-            phase = "leaving"
+            phase, reason = "leaving", "the replica is shutting down (leave phase)"
+        elif self.certificate_expired:
+            phase = "certificate_expired"
+            reason = (
+                f"the served TLS certificate expired at {_utc(self._certificate_not_after)} "
+                "(notAfter); a valid pair at --tls-cert-path/--tls-key-path is picked up by "
+                "the next reload"
+            )
         elif self._promotion is None:
-            phase = "warming"
+            phase, reason = "warming", "warming up: waiting for the backend count to stabilize"
         else:
-            phase = "ready"
+            phase, reason = "ready", None
         return ReadinessState(
             ready=self.ready,
             phase=phase,
             promotion=self._promotion,
             stable_samples=self._stable_samples,
             sampled_backend_count=self._last_count,
+            reason=reason,
         )
 
     async def wait_warm(self) -> None:
@@ -188,7 +224,48 @@ class Readiness:
         self._leaving = True
         self._end_readiness()
 
+    def serve_certificate(self, not_after: float) -> None:
+        """A TLS certificate with this notAfter (unix seconds) is served from now on (at start-up
+        and after each reload): readiness follows its expiry (`watch_certificate_expiry`)."""
+        was_expired = self.certificate_expired
+        self._certificate_not_after = not_after
+        if was_expired and not self.certificate_expired:
+            log.info("the served TLS certificate is valid again: readiness restored")
+        self._publish_ready()
+        self._notify_change()
+
+    async def watch_certificate_expiry(self) -> None:
+        """Announce the moment the served certificate expires (`next_change`, the ready gauge,
+        a WARNING), which no reload or probe would otherwise mark; run until cancelled.
+
+        The wait is cut into pieces of at most `EXPIRY_RECHECK_SECONDS` so that a wall clock
+        that jumps (NTP) is caught up with.
+        """
+        while True:
+            changed = self.next_change()
+            not_after = self._certificate_not_after
+            if not_after is None or self.certificate_expired:
+                await changed.wait()
+                continue
+            wait = min(
+                not_after - self._wall_clock() + EXPIRY_MARGIN_SECONDS, EXPIRY_RECHECK_SECONDS
+            )
+            with trio.move_on_after(max(wait, 0.0)):
+                await changed.wait()
+            if not changed.is_set() and _expired(not_after, self._wall_clock()):
+                log.warning(
+                    "the served TLS certificate expired at %s: /readyz answers 503 until a "
+                    "valid one is reloaded",
+                    _utc(not_after),
+                )
+                self._publish_ready()
+                self._notify_change()
+
     # ---- internals ------------------------------------------------------------------------------
+
+    def _publish_ready(self) -> None:
+        if self._metrics is not None:
+            self._metrics.ready.set(1 if self.ready else 0)
 
     def _end_readiness(self) -> None:
         if self._promotion is None:
@@ -231,3 +308,13 @@ class Readiness:
             "n/a" if self._last_count is None else self._last_count,
             elapsed,
         )
+
+
+def _utc(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _expired(not_after: float, now: float) -> bool:
+    return now > not_after  # strictly after: notAfter is the last valid second

@@ -5,7 +5,8 @@ the benchmarks' no-op server; and the shutdown-signal watcher the Pylon uses too
   with a `StartupError` naming the listener before anything is served.
 - `hypercorn_config` builds one listener's Hypercorn settings, with optional connection rotation
   (`MAX_REQUESTS_PER_CONNECTION`, docs/http-serving.md).
-- `serve_asgi` serves an ASGI app on a bound socket with Hypercorn's trio worker.
+- `serve_asgi` serves an ASGI app on a bound socket with Hypercorn's trio worker, over TLS when
+  given a server `ssl.SSLContext` (docs/tls.md).
 - `watch_signals` turns SIGTERM/SIGINT into the caller's own shutdown policy: one callback for the
   signal that starts the shutdown, another for any later one (docs/rolling-restarts.md).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "LISTEN_BACKLOG",
     "MAX_REQUESTS_PER_CONNECTION",
     "SHUTDOWN_SIGNALS",
+    "TLS_HANDSHAKE_TIMEOUT_SECONDS",
     "UNLIMITED_REQUESTS_PER_CONNECTION",
     "ASGIApp",
     "StartupError",
@@ -57,6 +60,9 @@ LISTEN_BACKLOG = 1024
 # `Connection: close`), on every replica listener but the control plane's (docs/http-serving.md).
 MAX_REQUESTS_PER_CONNECTION = 10_000
 UNLIMITED_REQUESTS_PER_CONNECTION = 2**31
+# How long an accepted TLS connection may take to complete its handshake before it is closed
+# (Hypercorn's default is 60 s), so slow or stalled handshakes do not hold connections.
+TLS_HANDSHAKE_TIMEOUT_SECONDS = 10.0
 # The signals that stop a stargate process: SIGTERM from an orchestrator, SIGINT from a terminal.
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -131,9 +137,15 @@ async def serve_asgi(
     config: HypercornConfig,
     shutdown_trigger: Callable[[], Awaitable[Any]],
     *,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on an already-bound socket with Hypercorn's trio worker, in this task.
+
+    With `ssl_context` the listener is served over TLS through Hypercorn's own TLS path (its
+    secure sockets, wrapped in `trio.SSLListener`, each connection's handshake bounded by
+    `TLS_HANDSHAKE_TIMEOUT_SECONDS`; ALPN picks HTTP/2 or HTTP/1.1). The context is used as is,
+    not copied: whoever owns it can load a new identity for later handshakes (docs/tls.md).
 
     Returns after `shutdown_trigger` returns and every open connection has finished. Before the
     listening socket closes, new handshakes are refused and the connections the kernel already
@@ -151,10 +163,17 @@ async def serve_asgi(
         await accept_queue.stop_new_connections(sock)
 
     served: ASGIApp = hypercorn_fixes.complete_response_before_disconnect(app)
+    if ssl_context is None:
+        sockets = Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
+    else:
+        # `worker_serve` asks the config for the context of its secure sockets.
+        config.create_ssl_context = lambda: ssl_context  # type: ignore[method-assign]
+        config.ssl_handshake_timeout = TLS_HANDSHAKE_TIMEOUT_SECONDS
+        sockets = Sockets(secure_sockets=[sock], insecure_sockets=[], quic_sockets=[])
     await worker_serve(
         wrap_app(served, config.wsgi_max_body_size, "asgi"),
         config,
-        sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
+        sockets=sockets,
         shutdown_trigger=stop_accepting,
         task_status=_Started(),
     )

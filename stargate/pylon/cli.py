@@ -65,6 +65,22 @@ def _stargates(
     return tuple(targets)
 
 
+def _ca_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A readable file of PEM CA certificates, checked now: grpcio would only fail later, at
+    every connection, with a TLS error that does not name the file."""
+    if value is None:
+        return None
+    from cryptography import x509  # not needed by a plaintext Pylon
+
+    try:
+        x509.load_pem_x509_certificates(value.read_bytes())
+    except OSError as error:
+        raise click.BadParameter(f"{value}: {error.strerror or error}", ctx, param) from None
+    except ValueError:
+        raise click.BadParameter(f"{value}: no PEM CA certificate in it", ctx, param) from None
+    return value
+
+
 def _health_paths(
     ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 ) -> tuple[str, ...]:
@@ -196,6 +212,17 @@ def _join_worker_threads() -> None:
     help="At start, wait up to this long for the upstream to become healthy before "
     "registering (0: probe once and register either way; models stay INACTIVE until healthy).",
 )
+@option(
+    "--stargate-ca-file",
+    envvar="STARGATE_PYLON_STARGATE_CA_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    callback=_ca_file,
+    help="PEM CA certificate(s) that sign the replicas' TLS certificates (serve "
+    "--tls-cert-path). With it the Pylon dials every replica, seeds and discovered ones, over TLS "
+    "trusting these CAs; each replica's certificate must name its advertise address. Without "
+    "it, plaintext (h2c) unless a seed is https://.",
+)
 @log_level_option("STARGATE_PYLON_LOG_LEVEL")
 @log_format_option("STARGATE_PYLON_LOG_FORMAT")
 def pylon_command(
@@ -209,6 +236,7 @@ def pylon_command(
     token_file: Path | None,
     upstream_health_paths: tuple[str, ...],
     upstream_health_wait_ms: int,
+    stargate_ca_file: Path | None,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -232,6 +260,7 @@ def pylon_command(
             token_file=token_file,
             upstream_health_paths=upstream_health_paths,
             upstream_health_wait_ms=upstream_health_wait_ms,
+            stargate_ca_file=stargate_ca_file,
         )
     except PylonConfigError as error:
         raise click.UsageError(str(error)) from None

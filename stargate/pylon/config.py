@@ -135,6 +135,9 @@ class PylonConfig:
     upstream_health_wait_ms: int = 60000
     extra_metadata: tuple[tuple[str, str], ...] = field(default=())
     """Extra request metadata on registration streams (tests, custom auth)."""
+    stargate_ca_file: Path | None = None
+    """PEM CA certificates that sign the replicas' TLS certificates: with it every channel to a
+    replica (seeds and discovered ones alike) uses TLS with these roots (docs/tls.md)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", parse_upstream_url(self.upstream_url))

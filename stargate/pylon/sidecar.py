@@ -105,16 +105,34 @@ async def probe_upstream(
     await http_health_probe(httpx_get(client), base_url, seconds, paths)
 
 
-def _channel(target: DialTarget, authority: str | None = None) -> grpc.Channel:
+def _channel(
+    target: DialTarget,
+    authority: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> grpc.Channel:
+    """A channel to one replica: TLS with `credentials` (`--stargate-ca-file`) whatever the
+    address says, else TLS with the system roots for an `https://` seed, else plaintext h2c.
+    With TLS the replica's certificate must name `authority` (its advertise address) or, without
+    one, the dialled host."""
     # A channel of its own per attempt, with its own subchannels: grpcio otherwise shares a
     # subchannel between channels to one address, and a shared one still in its reconnect
     # backoff (seconds) would fail a fresh attempt at once, undoing the fast reconnect.
     options: list[tuple[str, str | int]] = [("grpc.use_local_subchannel_pool", 1)]
     if authority:
         options.append(("grpc.default_authority", authority))
+    if credentials is not None:
+        return grpc.secure_channel(target.address, credentials, options)
     if target.secure:
         return grpc.secure_channel(target.address, grpc.ssl_channel_credentials(), options)
     return grpc.insecure_channel(target.address, options)
+
+
+def stargate_credentials(ca_file: Path | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the CA certificates in `ca_file`, or None (plaintext) without
+    one. The file is read once, at start-up."""
+    if ca_file is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
 
 
 Probe = Callable[[DialTarget], Awaitable[bool]]
@@ -221,6 +239,7 @@ class Pylon:
         self._nursery: trio.Nursery | None = None
         self._token: str | None = None
         self._models_failing = False
+        self._credentials = stargate_credentials(config.stargate_ca_file)
 
     # ------------------------------------------------------------------ public state
 
@@ -492,7 +511,7 @@ class Pylon:
         """Run one watch stream on `target` until it ends, keeping what it sends under `key`;
         return how it ended, and whether anything arrived."""
         received = False
-        channel = _channel(target)
+        channel = _channel(target, credentials=self._credentials)
         try:
             stub = pb_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             call = stub.WatchStargates(pb.WatchStargatesRequest())
@@ -616,7 +635,7 @@ class Pylon:
     async def _register_once(self, replica: ReplicaInfo) -> tuple[StreamEnded, bool]:
         """Run one registration stream until it ends; return how it ended and whether it was
         ever acknowledged. Cancellation half-closes the stream, then cancels it."""
-        channel = _channel(replica.dial, replica.authority)
+        channel = _channel(replica.dial, replica.authority, self._credentials)
         outbox: Outbox[pb.InferenceServerRegistration] = Outbox()
         acked = ended = False
         try:
