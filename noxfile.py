@@ -117,7 +117,13 @@ def rollout(session: nox.Session) -> None:
 def helm(session: nox.Session) -> None:
     """The Helm chart, offline: render, values schema, kubernetes-validate --strict, yamllint."""
     session.install(
-        "helm-python-sdk==0.2.2", "kubernetes-validate==1.37.0", "yamllint", "pyyaml", "pytest"
+        "helm-python-sdk==0.2.2",
+        "kubernetes-validate==1.37.0",
+        "yamllint",
+        "pyyaml",
+        "pytest",
+        "trustme",  # the live replica of tests/helm/test_observability.py serves TLS
     )
     session.install("-e", ".")
-    session.run("pytest", "tests/helm/test_chart.py", "-q", *session.posargs)
+    # tests/helm/test_observability.py also runs promtool and a real replica.
+    session.run("pytest", "tests/helm", "-q", *session.posargs)
