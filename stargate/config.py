@@ -214,6 +214,11 @@ class ControlPlaneConfig:
             )
         if self.worker_auth_ca_file and not self.worker_auth_endpoint:
             raise ConfigError("--worker-auth-ca-file requires --worker-auth-endpoint")
+        if self.worker_auth_ca_file and (self.worker_auth_endpoint or "").startswith("http://"):
+            raise ConfigError(
+                "--worker-auth-ca-file dials the gateway over TLS, but --worker-auth-endpoint "
+                "says http://: use https:// or HOST:PORT"
+            )
         if self.oauth2_provider_host is not None:
             host = self.oauth2_provider_host
             if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", host):

@@ -14,15 +14,16 @@ latter also makes the exit code 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import ipaddress
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import trio
@@ -58,7 +59,6 @@ from stargate.config import (
     PYLON_RECONNECT_WINDOW_MS,
     ActivatorConfig,
     ConfigError,
-    ControlPlaneConfig,
     DiscoveryConfig,
     ListenAddress,
     ProxyConfig,
@@ -69,9 +69,16 @@ from stargate.control_plane.auth import (
     OpenAuthenticator,
     StaticTokenAuthenticator,
     WorkerAuthenticator,
+    WorkerAuthUnavailable,
+    parse_gateway_endpoint,
     read_token_file,
 )
 from stargate.control_plane.discovery import PublisherConfig, WatchPublisher
+from stargate.control_plane.gateway_credentials import (
+    BearerProvider,
+    OAuth2ClientCredentials,
+    SecretsFileBearer,
+)
 from stargate.control_plane.health import probe_pool, upstream_get
 from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.control_plane.services import control_plane_app, model_discovery_app
@@ -94,6 +101,7 @@ from stargate.metrics import (
     DepartedSeriesSweep,
     LiveFleet,
     Metrics,
+    TlsMetrics,
     metrics_asgi_app,
     sweep_interval,
 )
@@ -103,6 +111,7 @@ from stargate.proxy.forwarder import UNREGISTERED, Forwarder
 from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.readiness import Readiness
 from stargate.routing import Registration, RoutingState, RoutingTargetKey
+from stargate.secrets_file import SecretsFile, SecretsFileError, tracing_access_token
 from stargate.serving import (
     SHUTDOWN_SIGNALS,
     ASGIApp,
@@ -113,8 +122,12 @@ from stargate.serving import (
     serve_asgi,
     watch_signals,
 )
+from stargate.tls import ServedIdentity
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
+
+if TYPE_CHECKING:  # loaded only with --otel-endpoint (`_start_tracing`, docs/tracing.md)
+    from stargate.tracing.setup import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +170,15 @@ class Replica:
             ),
         )
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
+        # TLS on the HTTP and gRPC listeners (docs/tls.md): a pair that cannot be served fails
+        # start-up here, before anything binds.
+        self.tls: ServedIdentity | None = None
+        if config.tls is not None:
+            self.tls = ServedIdentity.load(
+                config.tls,
+                metrics=TlsMetrics.create(self.registry, config.metrics_prefix),
+                on_served=lambda identity: self.readiness.serve_certificate(identity.not_after),
+            )
         # The process controller's engine probes (a few engines); backends are probed through
         # `_probe_pool` (stargate/control_plane/health.py, `probe_pool`).
         self._health_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
@@ -189,7 +211,7 @@ class Replica:
         control = config.control_plane
         self.registrations = RegistrationService(
             self.routing,
-            _authenticator(control),
+            _authenticator(config),
             functools.partial(
                 http_health_probe,
                 upstream_get(self._probe_pool),
@@ -217,6 +239,7 @@ class Replica:
         self._failed = False
         self._drained = False
         self._in_flight = InFlight()
+        self.tracing: Tracing | None = None  # built by `run()` with --otel-endpoint
 
     @property
     def shutting_down(self) -> bool:
@@ -282,6 +305,25 @@ class Replica:
         if self._services_scope is not None:
             self._services_scope.cancel()
 
+    async def _check_worker_auth(self) -> None:
+        """Before serving: the worker-auth gateway answers and the replica's own bearer can be
+        had, so a wrong endpoint, CA or secret exits 1 at once (docs/worker-auth.md)."""
+        authenticator = self.registrations.authenticator
+        if not isinstance(authenticator, WorkerAuthenticator):
+            return
+        try:
+            await authenticator.check()
+        except WorkerAuthUnavailable as error:
+            with trio.CancelScope(shield=True):
+                await authenticator.aclose()
+            raise StartupError(str(error)) from None
+        log.info(
+            "worker auth gateway %s reachable (tls=%s, credentials=%s)",
+            authenticator.endpoint,
+            authenticator.gateway.tls,
+            authenticator.credentials_kind,
+        )
+
     async def run(
         self, *, task_status: trio.TaskStatus[BoundAddresses] = trio.TASK_STATUS_IGNORED
     ) -> int:
@@ -302,12 +344,16 @@ class Replica:
         )
         http_sock, grpc_sock, discovery_sock, metrics_sock = sockets
         self.bound = bound = BoundAddresses(*(bound_address(sock) for sock in sockets))
-        try:
-            self.publisher = WatchPublisher(_discovery_config(config, bound))
-        except ConfigError as error:
-            for sock in sockets:
-                sock.close()
-            raise StartupError(f"invalid discovery configuration: {error}") from error
+        with _closed_on_failure(sockets):
+            try:
+                self.publisher = WatchPublisher(_discovery_config(config, bound))
+            except ConfigError as error:
+                raise StartupError(f"invalid discovery configuration: {error}") from error
+            await self._check_worker_auth()
+            try:
+                self.tracing = _start_tracing(config)
+            except SecretsFileError as error:  # names the file and key, never a value
+                raise StartupError(f"cannot start the trace exporter: {error}") from error
         if not config.warmup.covers_pylon_reconnect:
             log.warning(
                 "the warmup stabilization window (%d x %d ms) is shorter than %d ms: a restarted "
@@ -342,6 +388,9 @@ class Replica:
                 await services.start(self._critical, "WatchStargates publisher", self.publisher.run)
                 services.start_soon(self._expire_idle_upstream_connections)
                 services.start_soon(self._sweep_departed_series)
+                if self.tls is not None:
+                    services.start_soon(self.tls.run)
+                    services.start_soon(self.readiness.watch_certificate_expiry)
                 self.activator = await self._start_activator(services)
                 # The HTTP app is built once the activator exists: the proxy holds pooled requests.
                 proxy_app = ProxyApp(
@@ -350,6 +399,7 @@ class Replica:
                     self.metrics.proxy,
                     fallback=cast(ASGIApp, self.admin_app),
                     activator=self.activator,
+                    tracer=None if self.tracing is None else self.tracing.tracer,
                 )
                 listener_config = functools.partial(hypercorn_config, graceful)
                 http_app, http_config = self._limit_http_clients(
@@ -396,6 +446,9 @@ class Replica:
                         server_config,
                         self._shutdown_started.wait,
                     )
+                    if self.tls is not None and sock is not metrics_sock:
+                        # TLS on every listener but metrics, which stays plain (docs/tls.md).
+                        serve = functools.partial(serve, ssl_context=self.tls.context)
                     await services.start(self._critical, name, serve)
                 log.info(
                     "listening: http=%s grpc=%s model_discovery=%s metrics=%s advertise=%s",
@@ -416,6 +469,10 @@ class Replica:
                 await self._health_client.aclose()
                 await self._probe_pool.aclose()
                 await self.pool.aclose()
+                if self.tracing is not None:  # the last spans, within a bounded wait
+                    await self.tracing.aclose()
+                if isinstance(self.registrations.authenticator, WorkerAuthenticator):
+                    await self.registrations.authenticator.aclose()
 
         if self._forced:
             log.error("forcing immediate exit")
@@ -620,6 +677,30 @@ class Replica:
         }
 
 
+@contextlib.contextmanager
+def _closed_on_failure(sockets: Iterable[socket.socket]) -> Iterator[None]:
+    """Close the bound listening sockets if start-up fails before they are served."""
+    try:
+        yield
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+
+
+def _start_tracing(config: ServeConfig) -> Tracing | None:
+    """OpenTelemetry tracing with --otel-endpoint, else None (the SDK is not even imported: a
+    replica without tracing never loads it; docs/tracing.md)."""
+    if not config.tracing.enabled:
+        return None
+    from stargate.tracing.setup import setup_tracing
+
+    # Read once: the exporter's gRPC metadata is fixed when it is built (docs/tracing.md, Token).
+    path = config.secrets.path
+    token = None if path is None else tracing_access_token(path)
+    return setup_tracing(config.tracing, token, instance_id=config.stargate_id)
+
+
 def _pool_config(activator: ActivatorConfig) -> PoolsConfig | None:
     """The pool file, validated at construction so a bad file fails before anything binds."""
     if activator.pool_config_path is None:
@@ -673,12 +754,32 @@ def _lb_config(config: ProxyConfig) -> LbConfig:
     return lb_config
 
 
-def _authenticator(config: ControlPlaneConfig) -> Authenticator:
-    if config.registration_token_file is not None:
-        return StaticTokenAuthenticator(read_token_file(config.registration_token_file))
-    if config.worker_auth_endpoint is not None:
-        return WorkerAuthenticator(config.worker_auth_endpoint)
+def _authenticator(config: ServeConfig) -> Authenticator:
+    control = config.control_plane
+    if control.registration_token_file is not None:
+        return StaticTokenAuthenticator(read_token_file(control.registration_token_file))
+    if control.worker_auth_endpoint is not None:
+        try:
+            parse_gateway_endpoint(control.worker_auth_endpoint)
+            return WorkerAuthenticator(
+                control.worker_auth_endpoint,
+                _gateway_credentials(config),
+                ca_file=control.worker_auth_ca_file,
+            )
+        except (ValueError, OSError) as error:
+            raise StartupError(f"invalid worker auth configuration: {error}") from error
     return OpenAuthenticator()
+
+
+def _gateway_credentials(config: ServeConfig) -> BearerProvider | None:
+    """The bearer the replica presents to the worker-auth gateway (docs/worker-auth.md): minted
+    by OAuth2 with `--oauth2-provider-host`, else read from the secrets file; none without one."""
+    if config.secrets.path is None:
+        return None
+    secrets = SecretsFile(config.secrets.path)
+    if config.control_plane.oauth2_provider_host is not None:
+        return OAuth2ClientCredentials(config.control_plane.oauth2_provider_host, secrets)
+    return SecretsFileBearer(secrets, config.secrets.json_keys)
 
 
 def _host_address() -> str:

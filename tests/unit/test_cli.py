@@ -467,6 +467,10 @@ def test_half_a_tls_pair_is_a_usage_error(
         (["--oauth2-provider-host=https://idp"], "--oauth2-provider-host requires --secrets-path"),
         (["--oauth2-provider-host=idp:443", "--secrets-path={f}"], "must be an http:// or"),
         (["--worker-auth-ca-file={f}"], "--worker-auth-ca-file requires --worker-auth-endpoint"),
+        (
+            ["--worker-auth-ca-file={f}", "--worker-auth-endpoint=http://gw:9090"],
+            "--worker-auth-ca-file dials the gateway over TLS",
+        ),
         (["--secrets-json-path=a..b"], "--secrets-json-path must be dot-separated keys"),
         (["--otel-endpoint=collector:4317"], "--otel-endpoint must be an OTLP/gRPC collector URL"),
         (["--otel-service-name= "], "--otel-service-name must not be empty"),
