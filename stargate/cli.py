@@ -36,6 +36,7 @@ from stargate.config import (
     ControlPlaneConfig,
     DiscoveryConfig,
     ListenAddress,
+    PoolOwnershipConfig,
     ProxyConfig,
     SecretsConfig,
     ServeConfig,
@@ -210,6 +211,18 @@ SERVE_SECTIONS = {
         "registration_token_file",
     ),
     "Tracing": ("otel_endpoint", "otel_service_name"),
+    "Model pools": (
+        "pool_config",
+        "pool_resync_interval_ms",
+        "pool_controller_timeout_ms",
+        "pool_ownership",
+        "pool_lease_namespace",
+        "pool_lease_prefix",
+        "pool_lease_duration_ms",
+        "pool_lease_renew_deadline_ms",
+        "pool_lease_retry_period_ms",
+        "pool_owner_url",
+    ),
 }
 
 
@@ -537,6 +550,58 @@ SERVE_SECTIONS = {
     help="Timeout of each pool controller call (scale, patch, process start/stop), so a hung "
     "API server cannot freeze the pools.",
 )
+@option(
+    "--pool-ownership",
+    envvar="STARGATE_POOL_OWNERSHIP",
+    type=click.Choice(["local", "lease"]),
+    default="local",
+    help="Who runs each pool's activator: local (this replica, for every pool: one replica or "
+    "the process controller) or lease (one Kubernetes Lease per pool; its holder decides and "
+    "the other replicas hand it their requests for the pool).",
+)
+@option(
+    "--pool-lease-namespace",
+    envvar="STARGATE_POOL_LEASE_NAMESPACE",
+    default=None,
+    help="Namespace of the pool Leases. Default: the replica's own (POD_NAMESPACE, else the "
+    "service account's).",
+)
+@option(
+    "--pool-lease-prefix",
+    envvar="STARGATE_POOL_LEASE_PREFIX",
+    default="stargate",
+    help="Pool Leases are named <prefix>-pool-<pool>; the chart passes its release name.",
+)
+@option(
+    "--pool-lease-duration-ms",
+    envvar="STARGATE_POOL_LEASE_DURATION_MS",
+    type=POSITIVE_INT,
+    default=15_000,
+    help="A pool Lease not renewed for this long may be taken over (the failover time after a "
+    "crash).",
+)
+@option(
+    "--pool-lease-renew-deadline-ms",
+    envvar="STARGATE_POOL_LEASE_RENEW_DEADLINE_MS",
+    type=POSITIVE_INT,
+    default=10_000,
+    help="A pool owner whose renewals have failed for this long stops deciding for the pool "
+    "(before its Lease can expire).",
+)
+@option(
+    "--pool-lease-retry-period-ms",
+    envvar="STARGATE_POOL_LEASE_RETRY_PERIOD_MS",
+    type=POSITIVE_INT,
+    default=2_000,
+    help="How often an owner renews its pool Leases and the other replicas re-read them.",
+)
+@option(
+    "--pool-owner-url",
+    envvar="STARGATE_POOL_OWNER_URL",
+    default=None,
+    help="This replica's HTTP listener as its peers reach it (http://POD_IP:8000), recorded in "
+    "the Leases it holds. Default: the advertise host with the HTTP port.",
+)
 @metrics_listener_options("STARGATE", "0.0.0.0")
 @option(
     "--metrics-prefix",
@@ -637,6 +702,13 @@ def serve(
     pool_config: Path | None,
     pool_resync_interval_ms: int,
     pool_controller_timeout_ms: int,
+    pool_ownership: str,
+    pool_lease_namespace: str | None,
+    pool_lease_prefix: str,
+    pool_lease_duration_ms: int,
+    pool_lease_renew_deadline_ms: int,
+    pool_lease_retry_period_ms: int,
+    pool_owner_url: str | None,
     metrics_listen_addr: ListenAddress | None,
     metrics_port: int | None,
     metrics_prefix: str,
@@ -711,6 +783,15 @@ def serve(
                 pool_config_path=pool_config,
                 resync_interval_ms=pool_resync_interval_ms,
                 controller_timeout_ms=pool_controller_timeout_ms,
+                ownership=PoolOwnershipConfig(
+                    mode=pool_ownership,
+                    lease_namespace=(pool_lease_namespace or "").strip() or None,
+                    lease_prefix=pool_lease_prefix.strip(),
+                    lease_duration_ms=pool_lease_duration_ms,
+                    renew_deadline_ms=pool_lease_renew_deadline_ms,
+                    retry_period_ms=pool_lease_retry_period_ms,
+                    owner_url=(pool_owner_url or "").strip().rstrip("/") or None,
+                ),
             ),
             tls=TlsConfig.of(tls_cert_path, tls_key_path, tls_reload_interval_ms),
             secrets=SecretsConfig(secrets_path, secrets_json_path.strip()),

@@ -23,6 +23,7 @@ __all__ = [
     "ControlPlaneConfig",
     "DiscoveryConfig",
     "ListenAddress",
+    "PoolOwnershipConfig",
     "ProxyConfig",
     "SecretsConfig",
     "ServeConfig",
@@ -361,16 +362,65 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolOwnershipConfig:
+    """Who runs each pool's activator when several replicas share the pools
+    (docs/pool-ownership.md).
+
+    `mode`: `local` (this replica decides for every pool: one replica, or the process
+    controller) or `lease` (one `coordination.k8s.io/v1` Lease per pool, named
+    `<lease_prefix>-pool-<pool>` in `lease_namespace`; the holder decides, the other replicas
+    hand it their requests for the pool at `owner_url`). Timings as client-go's leader election:
+    a holder renews every `retry_period_ms`, stops deciding when a renewal has not succeeded for
+    `renew_deadline_ms`, and a lease not renewed for `lease_duration_ms` may be taken over.
+    """
+
+    mode: str = "local"
+    lease_namespace: str | None = None
+    lease_prefix: str = "stargate"
+    lease_duration_ms: int = 15_000
+    renew_deadline_ms: int = 10_000
+    retry_period_ms: int = 2_000
+    owner_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("local", "lease"):
+            raise ConfigError(f"--pool-ownership must be local or lease, got {self.mode!r}")
+        if not (0 < self.retry_period_ms < self.renew_deadline_ms < self.lease_duration_ms):
+            raise ConfigError(
+                "pool lease timings must satisfy 0 < --pool-lease-retry-period-ms < "
+                "--pool-lease-renew-deadline-ms < --pool-lease-duration-ms (a holder must stop "
+                "deciding before its lease can expire), got "
+                f"{self.retry_period_ms} / {self.renew_deadline_ms} / {self.lease_duration_ms}"
+            )
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", self.lease_prefix):
+            raise ConfigError(
+                "--pool-lease-prefix must be a DNS label of at most 40 characters (lower-case "
+                f"letters, digits, '-'), got {self.lease_prefix!r}"
+            )
+        if self.owner_url is not None and not re.fullmatch(
+            r"https?://[^\s/]+/?", self.owner_url
+        ):
+            raise ConfigError(
+                "--pool-owner-url must be this replica's HTTP listener as its peers reach it, "
+                f"like http://10.0.0.7:8000, got {self.owner_url!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ActivatorConfig:
-    """Model pools (the activator): the pool file and the activator's timing."""
+    """Model pools (the activator): the pool file, the activator's timing, and who owns each
+    pool when several replicas share them."""
 
     pool_config_path: Path | None = None
     resync_interval_ms: int = 5_000
     controller_timeout_ms: int = 10_000
+    ownership: PoolOwnershipConfig = PoolOwnershipConfig()
 
     def __post_init__(self) -> None:
         if self.resync_interval_ms <= 0 or self.controller_timeout_ms <= 0:
             raise ConfigError("pool resync interval and controller timeout must be > 0")
+        if self.ownership.mode == "lease" and self.pool_config_path is None:
+            raise ConfigError("--pool-ownership=lease requires --pool-config")
 
 
 DEFAULT_MAX_CLIENT_CONNECTIONS = 384

@@ -34,6 +34,7 @@ from stargate.activator.config import load_pool_config  # noqa: E402
 from stargate.cli import main  # noqa: E402
 from stargate.config import (  # noqa: E402
     ListenAddress,
+    PoolOwnershipConfig,
     SecretsConfig,
     ServeConfig,
     TlsConfig,
@@ -471,6 +472,13 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "poolConfig": str(pool_file),
             "poolResyncIntervalMs": 2_500,
             "poolControllerTimeoutMs": 4_000,
+            "poolOwnership": "lease",
+            "poolLeaseNamespace": "llm-leases",
+            "poolLeasePrefix": "router-x",
+            "poolLeaseDurationMs": 9_000,
+            "poolLeaseRenewDeadlineMs": 6_000,
+            "poolLeaseRetryPeriodMs": 1_000,
+            "poolOwnerUrl": "http://10.9.9.9:18000",
             "requestBodyTimeoutMs": 0,  # an explicit 0 (disabled) reaches the CLI
             "maxClientConnections": 0,  # 0 = unlimited
             "metricsPrefix": "llm_request_router_",
@@ -574,6 +582,9 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
         2_500,
         4_000,
     )
+    assert config.activator.ownership == PoolOwnershipConfig(
+        "lease", "llm-leases", "router-x", 9_000, 6_000, 1_000, "http://10.9.9.9:18000"
+    )
 
 
 def test_switches_set_to_false_are_not_rendered(chart: Any) -> None:
@@ -654,7 +665,7 @@ def test_pools_with_kubernetes_controller_get_rbac(chart: Any) -> None:
         },
     }
     r = render(chart, values)
-    role = r.one("Role")
+    role = r.one("Role", f"{FULLNAME}-pools")
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [
         {
@@ -668,7 +679,7 @@ def test_pools_with_kubernetes_controller_get_rbac(chart: Any) -> None:
             "verbs": ["get", "patch"],
         },
     ]
-    binding = r.one("RoleBinding")
+    binding = r.one("RoleBinding", f"{FULLNAME}-pools")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "Role",
@@ -691,7 +702,10 @@ def test_pools_rbac_in_member_namespaces(chart: Any) -> None:
         },
     }
     r = render(chart, values)
-    assert sorted(m["metadata"]["namespace"] for m in r.all("Role")) == ["models-a", "models-b"]
+    pool_roles = [m for m in r.all("Role") if m["metadata"]["name"] == f"{FULLNAME}-pools"]
+    assert sorted(m["metadata"]["namespace"] for m in pool_roles) == ["models-a", "models-b"]
+    # The pool Leases live in the release's namespace, whatever the members' namespaces.
+    assert r.one("Role", f"{FULLNAME}-pool-leases")["metadata"]["namespace"] == NAMESPACE
     for binding in r.all("RoleBinding"):
         assert binding["subjects"][0]["namespace"] == NAMESPACE
 
@@ -718,25 +732,69 @@ PROCESS_POOLS = {
 }
 
 
+LEASE_ARGS = [
+    "--pool-ownership=lease",
+    f"--pool-lease-prefix={FULLNAME}",
+    "--pool-lease-namespace=$(POD_NAMESPACE)",
+    "--pool-owner-url=http://$(POD_IP):8000",
+]
+
+
 @pytest.mark.parametrize(
     "pools",
     [
         {"enabled": True, "config": POOLS},  # a pool whose controller.kind is kubernetes
         {"enabled": True, "config": yaml.safe_dump(POOLS)},  # the same, as a YAML string
-        {"enabled": True, "config": PROCESS_POOLS, "kubernetesController": True},
     ],
-    ids=["kind-in-map", "kind-in-string", "kubernetesController"],
+    ids=["kind-in-map", "kind-in-string"],
 )
-def test_kubernetes_pools_refuse_several_replicas(chart: Any, pools: dict[str, Any]) -> None:
-    """Pools are per replica until they can be shared safely (README, Model pools)."""
-    message = (
-        r"pools\.enabled with the kubernetes member controller requires replicaCount: 1 "
-        r"\(got 2\): every replica runs its own activator with per-process locks"
+def test_kubernetes_pools_are_shared_through_leases(
+    chart: Any, cli: Any, tmp_path: Path, pools: dict[str, Any]
+) -> None:
+    """Every replica serves the pools; one Lease per pool names the one that decides
+    (docs/pool-ownership.md), so several replicas are allowed."""
+    r = render(chart, {"replicaCount": 3, "pools": {**pools, "kubernetesController": True}})
+    assert r.statefulset["spec"]["replicas"] == 3
+    at = r.args.index(f"--pool-config={POOL_CONFIG_PATH}")
+    assert r.args[at + 1 : at + 5] == LEASE_ARGS
+    role = r.one("Role", f"{FULLNAME}-pool-leases")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    assert (
+        r.one("RoleBinding", f"{FULLNAME}-pool-leases")["roleRef"]["name"]
+        == f"{FULLNAME}-pool-leases"
     )
-    with pytest.raises(helm_python.HelmError, match=message):
-        chart.render({"replicaCount": 2, "pools": pools}, name=RELEASE, namespace=NAMESPACE)
-    r = render(chart, {"replicaCount": 1, "pools": pools})
-    assert r.statefulset["spec"]["replicas"] == 1
+    pool_file = tmp_path / "pools.yaml"
+    pool_file.write_text(yaml.safe_dump(POOLS))
+    code, output, parsed = cli(substitute(r.args, {POOL_CONFIG_PATH: str(pool_file)}))
+    assert code == 0, output
+    assert parsed is not None and parsed.activator.ownership.mode == "lease"
+    assert parsed.activator.ownership.lease_prefix == FULLNAME
+
+    tls = render(chart, {"pools": {**pools}, "tls": {"secretName": "t"}})
+    assert "--pool-owner-url=https://$(POD_IP):8000" in tls.args
+    own = render(chart, {"pools": {**pools}, "serve": {"poolOwnership": "local"}})
+    assert "--pool-ownership=local" in own.args
+    assert not any(a.startswith("--pool-lease-prefix") for a in own.args)
+
+
+def test_process_pools_are_not_shared(chart: Any) -> None:
+    """A process pool's engines are this replica's own: no Lease, whatever the RBAC switch."""
+    pools = {"enabled": True, "config": PROCESS_POOLS, "kubernetesController": True}
+    r = render(chart, {"replicaCount": 2, "pools": pools})
+    assert not any(a.startswith("--pool-ownership") for a in r.args)
+    assert not [m for m in r.all("Role") if m["metadata"]["name"].endswith("-pool-leases")]
+
+
+def test_pool_lease_timings_must_let_an_owner_stop_first(chart: Any) -> None:
+    values = {"serve": {"poolLeaseRenewDeadlineMs": 20_000}}  # above the 15 s duration
+    with pytest.raises(helm_python.HelmError, match=r"serve\.poolLeaseRetryPeriodMs \(2000\)"):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
 
 
 def test_process_pools_and_disabled_pools_keep_several_replicas(chart: Any) -> None:

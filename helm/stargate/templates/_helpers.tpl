@@ -104,7 +104,15 @@ pools.kubernetesController, or a pool in pools.config (a map or a YAML string) w
 controller.kind is kubernetes.
 */}}
 {{- define "stargate.kubernetesPools" -}}
-{{- $found := .Values.pools.kubernetesController }}
+{{- ternary "true" "false" (or (eq (toString .Values.pools.kubernetesController) "true") (include "stargate.kubernetesPoolsInConfig" . | eq "true")) }}
+{{- end }}
+
+{{/*
+"stargate.kubernetesPoolsInConfig": "true" when a pool in pools.config uses the kubernetes
+member controller: such pools are shared by the replicas through Leases.
+*/}}
+{{- define "stargate.kubernetesPoolsInConfig" -}}
+{{- $found := false }}
 {{- $config := .Values.pools.config }}
 {{- if kindIs "string" $config }}
 {{- $config = fromYaml $config }}
@@ -139,10 +147,14 @@ Render-time guards (fail early instead of producing a broken release).
 {{- if and (gt (int64 .Values.replicaCount) 1) (eq (toString $s.disableDnsDiscovery) "true") }}
 {{- fail "serve.disableDnsDiscovery cannot be true when replicaCount is greater than 1; multi-replica routers require DNS discovery" }}
 {{- end }}
-{{- /* Pools are per replica (one activator, per-process locks): with a shared (kubernetes) member
-controller several replicas would scale down each other's busy members (README, Model pools). */}}
-{{- if and .Values.pools.enabled (gt (int64 .Values.replicaCount) 1) (include "stargate.kubernetesPools" . | eq "true") }}
-{{- fail (printf "pools.enabled with the kubernetes member controller requires replicaCount: 1 (got %d): every replica runs its own activator with per-process locks, so replicas would scale down each other's busy members and undo each other's activations" (int64 .Values.replicaCount)) }}
+{{- /* Kubernetes pools are shared by every replica through one Lease per pool (the chart passes
+--pool-ownership=lease; docs/pool-ownership.md), so any replicaCount works. The lease timings
+must let an owner stop deciding before its Lease can expire. */}}
+{{- $duration := ternary 15000 $s.poolLeaseDurationMs (kindIs "invalid" $s.poolLeaseDurationMs) | int64 }}
+{{- $renew := ternary 10000 $s.poolLeaseRenewDeadlineMs (kindIs "invalid" $s.poolLeaseRenewDeadlineMs) | int64 }}
+{{- $retry := ternary 2000 $s.poolLeaseRetryPeriodMs (kindIs "invalid" $s.poolLeaseRetryPeriodMs) | int64 }}
+{{- if not (and (lt $retry $renew) (lt $renew $duration)) }}
+{{- fail (printf "serve.poolLeaseRetryPeriodMs (%d) < serve.poolLeaseRenewDeadlineMs (%d) < serve.poolLeaseDurationMs (%d) must hold: an owner must stop deciding before its Lease can expire" $retry $renew $duration) }}
 {{- end }}
 {{- $metricsHost := toString (default "0.0.0.0" .Values.metrics.listenHost) }}
 {{- if and (or .Values.metrics.enabled .Values.metrics.serviceMonitor.enabled) (or (hasPrefix "127." $metricsHost) (has $metricsHost (list "localhost" "::1" "[::1]"))) }}
@@ -212,6 +224,20 @@ truthiness, decides: 0, false and "" are rendered.
 {{- end }}
 {{- if $v.pools.enabled }}
 {{- $args = append $args "--pool-config=/etc/stargate/pools.yaml" }}
+{{- /* Kubernetes pools are shared through Leases (docs/pool-ownership.md); serve.pool* values
+given explicitly replace these. */}}
+{{- if and (include "stargate.kubernetesPoolsInConfig" . | eq "true") (kindIs "invalid" $s.poolOwnership) }}
+{{- $args = append $args "--pool-ownership=lease" }}
+{{- if kindIs "invalid" $s.poolLeasePrefix }}
+{{- $args = append $args (printf "--pool-lease-prefix=%s" (include "stargate.fullname" .)) }}
+{{- end }}
+{{- if kindIs "invalid" $s.poolLeaseNamespace }}
+{{- $args = append $args "--pool-lease-namespace=$(POD_NAMESPACE)" }}
+{{- end }}
+{{- if kindIs "invalid" $s.poolOwnerUrl }}
+{{- $args = append $args (printf "--pool-owner-url=%s://$(POD_IP):%s" (include "stargate.probeScheme" . | lower) (include "stargate.int" $v.ports.http)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if $v.tls.secretName }}
 {{- $args = append $args (printf "--tls-cert-path=%s/tls.crt" $v.tls.mountPath) }}
@@ -262,6 +288,13 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "poolConfig" "--pool-config" "value")
   (list "poolResyncIntervalMs" "--pool-resync-interval-ms" "value")
   (list "poolControllerTimeoutMs" "--pool-controller-timeout-ms" "value")
+  (list "poolOwnership" "--pool-ownership" "value")
+  (list "poolLeaseNamespace" "--pool-lease-namespace" "value")
+  (list "poolLeasePrefix" "--pool-lease-prefix" "value")
+  (list "poolLeaseDurationMs" "--pool-lease-duration-ms" "value")
+  (list "poolLeaseRenewDeadlineMs" "--pool-lease-renew-deadline-ms" "value")
+  (list "poolLeaseRetryPeriodMs" "--pool-lease-retry-period-ms" "value")
+  (list "poolOwnerUrl" "--pool-owner-url" "value")
   (list "requestBodyTimeoutMs" "--request-body-timeout-ms" "value")
   (list "maxClientConnections" "--max-client-connections" "value")
   (list "metricsPrefix" "--metrics-prefix" "value")
