@@ -13,6 +13,7 @@ from stargate.cli import main
 from stargate.config import (
     ConfigError,
     ListenAddress,
+    PoolOwnershipConfig,
     ProxyConfig,
     SecretsConfig,
     ServeConfig,
@@ -499,3 +500,49 @@ def test_serve_help_groups_tls_worker_auth_and_tracing_flags() -> None:
         assert flag in auth
     assert "--otel-endpoint" in text[text.index("Tracing:") :]
     assert "--tls-cert-path" not in text[: text.index("TLS:")]
+
+
+# --- shared model pools (issue 16, docs/pool-ownership.md) ---------------------------------------
+
+
+def test_pool_ownership_flags(captured: list[ServeConfig], tmp_path: Path) -> None:
+    (tmp_path / "pools.yaml").write_text("pools: []\n")
+    env = {
+        "STARGATE_POOL_CONFIG": str(tmp_path / "pools.yaml"),
+        "STARGATE_POOL_OWNERSHIP": "lease",
+        "STARGATE_POOL_LEASE_NAMESPACE": "llm",
+        "STARGATE_POOL_LEASE_PREFIX": "router",
+        "STARGATE_POOL_LEASE_DURATION_MS": "9000",
+        "STARGATE_POOL_LEASE_RENEW_DEADLINE_MS": "6000",
+        "STARGATE_POOL_LEASE_RETRY_PERIOD_MS": "1000",
+        "STARGATE_POOL_OWNER_URL": "http://10.0.0.7:8000/",
+    }
+    code, output = _serve([], env)
+    assert code == 0, output
+    (config,) = captured
+    assert config.activator.ownership == PoolOwnershipConfig(
+        "lease", "llm", "router", 9000, 6000, 1000, "http://10.0.0.7:8000"
+    )
+    captured.clear()
+    code, output = _serve([])
+    assert code == 0, output
+    assert captured[0].activator.ownership == PoolOwnershipConfig()  # local, CLI defaults
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pool-ownership=lease"], "--pool-ownership=lease requires --pool-config"),
+        (["--pool-ownership=raft"], "'raft' is not one of 'local', 'lease'"),
+        (["--pool-lease-renew-deadline-ms=20000"], "must satisfy 0 < --pool-lease-retry-period-ms"),
+        (["--pool-lease-prefix=Router_A"], "--pool-lease-prefix must be a DNS label"),
+        (["--pool-owner-url=10.0.0.7:8000"], "--pool-owner-url must be this replica's"),
+    ],
+)
+def test_bad_pool_ownership_settings_are_usage_errors(
+    captured: list[ServeConfig], args: list[str], message: str
+) -> None:
+    code, output = _serve(args)
+    assert code == 2, output
+    assert message in output
+    assert captured == []
