@@ -21,10 +21,12 @@ Pod Pending until the old one has released it, which is the exclusivity we need.
 
 Why no Kubernetes client library: the maintained async clients (kubernetes_asyncio, kr8s,
 lightkube's async API) run on asyncio only, and stargate is trio-only. The synchronous official
-client would need a thread per call and brings a large dependency tree. We need four calls (GET
-and PATCH, on a scale subresource or on an object), so plain HTTP through `httpx.AsyncClient`
-(which runs on trio via anyio) is smaller and easier to reason about. Configuration is read the
-way client-go reads it, minus exec/auth-provider plugins (see `load_api_config`).
+client would need a thread per call and brings a large dependency tree. We need a handful of
+calls (GET and PATCH, on a scale subresource or on an object; GET, POST and PUT on the pool
+Leases of lease_ownership.py), so plain HTTP through `httpx.AsyncClient` (which runs on trio via
+anyio), shared by both through `KubernetesApi`, is smaller and easier to reason about.
+Configuration is read the way client-go reads it, minus exec/auth-provider plugins (see
+`load_api_config`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import yaml
 __all__ = [
     "SERVICE_ACCOUNT_DIR",
     "ApiConfig",
+    "KubernetesApi",
     "KubernetesConfigError",
     "KubernetesController",
     "KubernetesError",
@@ -369,6 +372,115 @@ def _data(section: Mapping[str, Any], key: str, where: str) -> bytes | None:
         raise KubernetesConfigError(f"{where}: {key} is not valid base64") from error
 
 
+# ---- HTTP plumbing -------------------------------------------------------------------------------
+
+
+class KubernetesApi:
+    """One API server connection: authentication, the per-request bound, and error mapping.
+
+    Shared by the member controller and the pool leases (lease.py), so both send the same
+    credentials and turn the same failures into `KubernetesError`. Every request is bounded by
+    `request_timeout` as a whole (see `request`). Pass `client` to share a connection pool, or
+    `transport` (e.g. `httpx.ASGITransport` over a fake API server) to run without a network;
+    otherwise a client is made from `api`, and `aclose()` closes whatever this object made.
+    """
+
+    def __init__(
+        self,
+        api: ApiConfig,
+        *,
+        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        request_timeout: float = 10.0,
+        user_agent: str = "stargate-activator",
+    ) -> None:
+        if client is not None and transport is not None:
+            raise ValueError("pass a client or a transport, not both")
+        self.api = api
+        self.request_timeout = request_timeout
+        self.user_agent = user_agent
+        self._owns_client = client is None
+        if client is None:
+            if transport is not None:
+                client = httpx.AsyncClient(
+                    transport=transport, timeout=request_timeout, follow_redirects=False
+                )
+            else:
+                client = httpx.AsyncClient(
+                    verify=api.ssl_context() if api.server.startswith("https:") else True,
+                    proxy=api.proxy_url,
+                    timeout=request_timeout,
+                    trust_env=False,
+                    follow_redirects=False,
+                )
+        self._client = client
+        self.base = api.server.rstrip("/")
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: object | None,
+        doing: str,
+        *,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        """Send one request; return the JSON object answered, or raise `KubernetesError`.
+
+        `doing` starts every error message ("scale up member 'a' (...)"), so a log line says
+        what failed without a traceback. `body`, if any, is sent as JSON with `content_type`
+        (default `application/json`).
+        """
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
+        try:
+            if self.api.token_file is not None:
+                token = await trio.to_thread.run_sync(self.api.bearer_token)
+            else:
+                token = self.api.token
+        except KubernetesConfigError as error:
+            raise KubernetesError(None, "Unauthorized", f"{doing}: {error}") from error
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        content = None
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+            content = json.dumps(body).encode()
+        url = self.base + path
+        timeout = self.request_timeout
+        try:
+            # httpx's timeout bounds each phase; the trio deadline bounds the whole request, so a
+            # server that trickles bytes cannot hold a call (made under the pool lock) forever.
+            with trio.fail_after(timeout):
+                response = await self._client.request(
+                    method, url, headers=headers, content=content, timeout=timeout
+                )
+        except (trio.TooSlowError, httpx.TimeoutException) as error:
+            raise KubernetesError(
+                None, "Timeout", f"{doing}: no answer from {self.base} within {timeout:g} s"
+            ) from error
+        except httpx.TransportError as error:
+            raise KubernetesError(
+                None, "TransportError", f"{doing}: {type(error).__name__}: {error}"
+            ) from error
+        if not response.is_success:
+            raise _status_error(response, doing)
+        try:
+            answer = response.json()
+        except ValueError as error:
+            raise KubernetesError(
+                response.status_code, "BadResponse", f"{doing}: response is not JSON"
+            ) from error
+        if not isinstance(answer, dict):
+            raise KubernetesError(
+                response.status_code, "BadResponse", f"{doing}: response is not an object"
+            )
+        return answer
+
+
 # ---- the controller ------------------------------------------------------------------------------
 
 
@@ -398,21 +510,10 @@ class KubernetesController:
         self.members = dict(members)
         self.api = api
         self.request_timeout = request_timeout
-        self._owns_client = client is None
-        if client is None:
-            client = httpx.AsyncClient(
-                verify=api.ssl_context() if api.server.startswith("https:") else True,
-                proxy=api.proxy_url,
-                timeout=request_timeout,
-                trust_env=False,
-                follow_redirects=False,
-            )
-        self._client = client
-        self._base = api.server.rstrip("/")
+        self._http = KubernetesApi(api, client=client, request_timeout=request_timeout)
 
     async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
+        await self._http.aclose()
 
     async def __aenter__(self) -> KubernetesController:
         return self
@@ -514,50 +615,10 @@ class KubernetesController:
     async def _request(
         self, method: str, target: KubernetesTarget, patch: object | None, doing: str
     ) -> dict[str, Any]:
-        headers = {"Accept": "application/json", "User-Agent": "stargate-activator"}
-        try:
-            if self.api.token_file is not None:
-                token = await trio.to_thread.run_sync(self.api.bearer_token)
-            else:
-                token = self.api.token
-        except KubernetesConfigError as error:
-            raise KubernetesError(None, "Unauthorized", f"{doing}: {error}") from error
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        content = None
-        if patch is not None:
-            headers["Content-Type"] = MERGE_PATCH
-            content = json.dumps(patch).encode()
-        url = self._base + target.path(self.namespace)
-        timeout = self.request_timeout
-        try:
-            # httpx's timeout bounds each phase; the trio deadline bounds the whole request, so a
-            # server that trickles bytes cannot hold a call (made under the pool lock) forever.
-            with trio.fail_after(timeout):
-                response = await self._client.request(
-                    method, url, headers=headers, content=content, timeout=timeout
-                )
-        except (trio.TooSlowError, httpx.TimeoutException) as error:
-            raise KubernetesError(
-                None, "Timeout", f"{doing}: no answer from {self._base} within {timeout:g} s"
-            ) from error
-        except httpx.TransportError as error:
-            raise KubernetesError(
-                None, "TransportError", f"{doing}: {type(error).__name__}: {error}"
-            ) from error
-        if not response.is_success:
-            raise _status_error(response, doing)
-        try:
-            body = response.json()
-        except ValueError as error:
-            raise KubernetesError(
-                response.status_code, "BadResponse", f"{doing}: response is not JSON"
-            ) from error
-        if not isinstance(body, dict):
-            raise KubernetesError(
-                response.status_code, "BadResponse", f"{doing}: response is not an object"
-            )
-        return body
+        content_type = None if patch is None else MERGE_PATCH
+        return await self._http.request(
+            method, target.path(self.namespace), patch, doing, content_type=content_type
+        )
 
 
 def _status_error(response: httpx.Response, doing: str) -> KubernetesError:

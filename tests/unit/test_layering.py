@@ -121,6 +121,7 @@ def test_pure_decision_modules_do_no_io() -> None:
         "proxy/retry.py",
         "proxy/contract.py",
         "activator/state.py",
+        "activator/lease.py",
         "load_balancing/balancers.py",
         "control_plane/admission.py",
     ]

@@ -1,10 +1,10 @@
 """The Kubernetes member controller against a fake API server that speaks the real JSON.
 
-The fake is a raw ASGI app on Hypercorn (loopback, real clock). It keeps Deployments,
-StatefulSets and LLMKube InferenceServices, serves `Scale` objects on the `scale` subresource,
-applies RFC 7386 merge patches, answers errors with `Status` bodies, and insists on the bearer
-token and the merge-patch content type, so a controller that drifts from the wire contract fails
-here rather than against a cluster.
+The fake (tests/fakes/kube_api.py) is a raw ASGI app, served here on Hypercorn (loopback, real
+clock). It keeps Deployments, StatefulSets and LLMKube InferenceServices, serves `Scale` objects
+on the `scale` subresource, applies RFC 7386 merge patches, answers errors with `Status` bodies,
+and insists on the bearer token and the merge-patch content type, so a controller that drifts
+from the wire contract fails here rather than against a cluster.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import base64
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -35,201 +33,10 @@ from stargate.activator.kubernetes import (
 )
 from stargate.config import ListenAddress
 from stargate.serving import bind_listener, serve_asgi
+from tests.fakes.kube_api import ISVC, NS, TOKEN, FakeApiServer
 
-NS = "models"
-TOKEN = "s3cr3t-token"
 DEPLOY = "/apis/apps/v1/namespaces/models/deployments"
 STS = "/apis/apps/v1/namespaces/models/statefulsets"
-ISVC = "/apis/inference.llmkube.dev/v1alpha1/namespaces/models/inferenceservices"
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-
-
-# ---- the fake API server -------------------------------------------------------------------------
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, which is what the API server applies for application/merge-patch+json."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-
-
-@dataclass
-class Call:
-    method: str
-    path: str
-    content_type: str | None = None
-    body: Any = None
-
-
-@dataclass
-class FakeApiServer:
-    """Objects by path; every request is recorded in `calls` (after the auth check)."""
-
-    token: str = TOKEN
-    url: str = ""
-    objects: dict[str, dict[str, Any]] = field(default_factory=dict)
-    calls: list[Call] = field(default_factory=list)
-    # (method, path) -> (code, reason, message) answers to give before behaving normally.
-    script: dict[tuple[str, str], list[tuple[int, str, str]]] = field(default_factory=dict)
-    hang: set[str] = field(default_factory=set)
-    released: trio.Event = field(default_factory=trio.Event)
-    version: int = 100
-
-    def add_workload(self, plural: str, name: str, replicas: int) -> str:
-        path = f"/apis/apps/v1/namespaces/{NS}/{plural}/{name}"
-        kind = {"deployments": "Deployment", "statefulsets": "StatefulSet"}[plural]
-        self.objects[path] = self._metadata(
-            {"apiVersion": "apps/v1", "kind": kind, "spec": {"replicas": replicas}}, name
-        )
-        return path + "/scale"
-
-    def add_inference_service(self, name: str, replicas: int | None) -> str:
-        path = f"{ISVC}/{name}"
-        spec: dict[str, Any] = {"modelRef": f"{name}-model", "resources": {"gpu": 1}}
-        if replicas is not None:
-            spec["replicas"] = replicas
-        self.objects[path] = self._metadata(
-            {
-                "apiVersion": "inference.llmkube.dev/v1alpha1",
-                "kind": "InferenceService",
-                "spec": spec,
-                "status": {"phase": "Stopped"},
-            },
-            name,
-        )
-        return path
-
-    def replicas(self, path: str) -> int | None:
-        obj = self.objects[path.removesuffix("/scale")]
-        value = obj["spec"].get("replicas")
-        return None if value is None else int(value)
-
-    def writes(self) -> list[tuple[str, Any]]:
-        return [(c.path, c.body) for c in self.calls if c.method == "PATCH"]
-
-    def _metadata(self, obj: dict[str, Any], name: str) -> dict[str, Any]:
-        self.version += 1
-        obj["metadata"] = {
-            "name": name,
-            "namespace": NS,
-            "uid": f"uid-{name}",
-            "resourceVersion": str(self.version),
-            "creationTimestamp": "2026-01-01T00:00:00Z",
-        }
-        return obj
-
-    async def __call__(
-        self, scope: Scope, receive: Callable[[], Awaitable[Message]], send: Any
-    ) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        code, answer = await self._handle(scope["method"], scope["path"], headers, body)
-        payload = json.dumps(answer).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": code,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
-
-    async def _handle(
-        self, method: str, path: str, headers: dict[str, str], raw: bytes
-    ) -> tuple[int, dict[str, Any]]:
-        if headers.get("authorization") != f"Bearer {self.token}":
-            return 401, status_body(401, "Unauthorized", "Unauthorized")
-        content_type = headers.get("content-type")
-        body = json.loads(raw) if raw else None
-        self.calls.append(Call(method, path, content_type, body))
-        if path in self.hang:
-            with trio.move_on_after(10):
-                await self.released.wait()
-            return 504, status_body(504, "Timeout", "released")
-        scripted = self.script.get((method, path))
-        if scripted:
-            code, reason, message = scripted.pop(0)
-            return code, status_body(code, reason, message)
-        is_scale = path.endswith("/scale")
-        obj_path = path.removesuffix("/scale")
-        obj = self.objects.get(obj_path)
-        if obj is None:
-            parts = obj_path.split("/")
-            resource = parts[-2] + (".apps" if "/apps/" in obj_path else "")
-            return 404, status_body(404, "NotFound", f'{resource} "{parts[-1]}" not found')
-        if method == "PATCH":
-            if content_type != "application/merge-patch+json":
-                return 415, status_body(
-                    415,
-                    "UnsupportedMediaType",
-                    "the body of the request was in an unknown format - accepted media types "
-                    "include: application/json-patch+json, application/merge-patch+json, "
-                    "application/apply-patch+yaml",
-                )
-            if is_scale:
-                scale = merge_patch(self._scale(obj), body)
-                obj["spec"]["replicas"] = int(scale["spec"].get("replicas", 0))
-            else:
-                merged = merge_patch(obj, body)
-                obj.clear()
-                obj.update(merged)
-            self.version += 1
-            obj["metadata"]["resourceVersion"] = str(self.version)
-        elif method != "GET":
-            return 405, status_body(405, "MethodNotAllowed", f"{method} not allowed")
-        return 200, self._scale(obj) if is_scale else obj
-
-    def _scale(self, obj: dict[str, Any]) -> dict[str, Any]:
-        replicas = int(obj["spec"].get("replicas", 1))
-        meta = obj["metadata"]
-        return {
-            "kind": "Scale",
-            "apiVersion": "autoscaling/v1",
-            "metadata": {
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta["uid"],
-                "resourceVersion": meta["resourceVersion"],
-                "creationTimestamp": meta["creationTimestamp"],
-            },
-            # `ScaleSpec.replicas` is omitempty: a real API server leaves it out at 0.
-            "spec": {"replicas": replicas} if replicas else {},
-            "status": {"replicas": replicas, "selector": f"app={meta['name']}"},
-        }
 
 
 @pytest.fixture
