@@ -12,12 +12,16 @@ from stargate.activator.errors import (
     ActivatorStopped,
     HoldTimeout,
     IncumbentBusy,
+    NoPoolOwner,
+    PoolOwnedElsewhere,
+    PoolOwnerMoved,
     PoolQueueFull,
     SwapFailed,
     UnknownMember,
 )
 from stargate.activator.members import AvailabilitySource, MemberAvailability
 from stargate.activator.metrics import ActivatorMetrics
+from stargate.activator.ownership import LocalOwnership, Owner, PoolOwnership
 from stargate.activator.pool import Activator, Grant, PoolSpec
 
 __all__ = [
@@ -30,9 +34,15 @@ __all__ = [
     "Grant",
     "HoldTimeout",
     "IncumbentBusy",
+    "LocalOwnership",
     "MemberAvailability",
     "MemberController",
+    "NoPoolOwner",
+    "Owner",
     "PhaseReporter",
+    "PoolOwnedElsewhere",
+    "PoolOwnerMoved",
+    "PoolOwnership",
     "PoolQueueFull",
     "PoolSpec",
     "SwapFailed",

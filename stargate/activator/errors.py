@@ -3,6 +3,11 @@
 Upstream (LLMKube router-proxy) maps its sentinels in the proxy handler (docs/activator.md, Errors);
 here each error carries its own `status`, `code` and `retry_after` so the proxy integration only
 reads them. Only `HoldTimeout`, `IncumbentBusy` and `PoolQueueFull` are retryable (Retry-After: 5).
+
+With several replicas sharing pools (docs/pool-ownership.md), only a pool's owner decides for it:
+`PoolOwnedElsewhere` tells the proxy to relay the request to the owner, `NoPoolOwner` that no owner
+answered within the hold budget, and `PoolOwnerMoved` that a request already relayed once reached a
+replica that no longer owns the pool (never relayed twice, so it is answered, retryable at once).
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ __all__ = [
     "ActivatorStopped",
     "HoldTimeout",
     "IncumbentBusy",
+    "NoPoolOwner",
+    "PoolOwnedElsewhere",
+    "PoolOwnerMoved",
     "PoolQueueFull",
     "SwapFailed",
     "UnknownMember",
@@ -68,6 +76,56 @@ class PoolQueueFull(ActivatorError):
     status = 503
     code = "pool_queue_full"
     retry_after = RETRY_AFTER_SECONDS
+
+
+class PoolOwnedElsewhere(ActivatorError):
+    """Another replica owns the member's pool: only it may decide, so the proxy relays the request
+    to `address` (its HTTP base URL, such as `http://10.0.0.7:8000`). Raised at once, nothing held.
+
+    `deadline`: the end (trio time) of the hold budget of the `acquire` that raised it, so the
+    relay counts the budget once instead of starting it again. The status and code are what a
+    replica without a relay answers.
+    """
+
+    status = 503
+    code = "pool_owned_elsewhere"
+    retry_after = 1
+
+    def __init__(
+        self,
+        pool: str,
+        member: str,
+        address: str,
+        *,
+        identity: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        super().__init__(
+            f"model pool {pool} is owned by another replica ({identity or address})",
+            pool=pool,
+            member=member,
+        )
+        self.address = address
+        self.identity = identity
+        self.deadline = deadline
+
+
+class NoPoolOwner(ActivatorError):
+    """No replica owned the pool (or the owner could not be reached) within the hold budget."""
+
+    status = 503
+    code = "pool_owner_unavailable"
+    retry_after = RETRY_AFTER_SECONDS
+
+
+class PoolOwnerMoved(ActivatorError):
+    """A relayed request reached a replica that does not own its pool (ownership moved while it
+    travelled). Relayed requests are never relayed again, so a loop is impossible; the client
+    retries after a second, when every replica sees the new owner."""
+
+    status = 503
+    code = "pool_owner_moved"
+    retry_after = 1
 
 
 class UnknownMember(LookupError):

@@ -3,6 +3,9 @@
 label names alphabetical.
 
 Label sets follow docs/activator.md, "Metrics" (`resident` is labelled by namespace, not router).
+Two series are stargate's own, for pools shared by several replicas (docs/pool-ownership.md), kept
+under the same prefix so one dashboard query finds every pool series: `owned` (1 on the replica
+that owns the pool) and `relayed_requests_total` (requests handed to the owner, by outcome).
 Bucket deviation: upstream's swap-duration buckets stop at 512 s and hold-duration buckets at
 204.8 s, below the default 300 s swap budget; the same buckets are kept and extended to 1200 s.
 """
@@ -31,6 +34,8 @@ class ActivatorMetrics:
     busy_skips: Counter  # member, pool, router
     held_requests: Gauge  # member, pool, router
     swap_failures: Counter  # member, pool, reason, router
+    owned: Gauge  # pool, router
+    relayed: Counter  # outcome, pool, router
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ActivatorMetrics:
@@ -84,6 +89,19 @@ class ActivatorMetrics:
                 "llmkube_modelpool_swap_failures_total",
                 "Failed (reason=error) and abandoned (reason=deadline) swaps; never cancelled.",
                 labelnames=("member", "pool", "reason", "router"),
+                registry=registry,
+            ),
+            owned=Gauge(
+                "llmkube_modelpool_owned",
+                "1 on the replica that owns the pool (decides its swaps), 0 on the others.",
+                labelnames=("pool", "router"),
+                registry=registry,
+            ),
+            relayed=Counter(
+                "llmkube_modelpool_relayed_requests_total",
+                "Pool requests this replica did not own, by final outcome (relayed to the owner, "
+                "served locally after ownership moved here, or refused).",
+                labelnames=("outcome", "pool", "router"),
                 registry=registry,
             ),
         )

@@ -17,6 +17,14 @@ checkpoint and need no lock: they start nothing and cannot run in the middle of 
 state reads. The cleanup being synchronous also means a cancelled caller never waits for a lock.
 
 Swaps and deferred deactivates run in the activator's own nursery (`run`), never under a request.
+
+Ownership (docs/pool-ownership.md, "The activator with an owner"): with several replicas only a
+pool's owner decides for it. A decision is allowed while `_decides(pool)`: the watcher task has
+applied "this replica owns the pool" (`_Pool.owned`, which also means the residency belief was
+dropped on gaining it) *and* the ownership source still says so now. The second read is the
+guard before every controller call, since the source turns `is_self` off before another replica
+can take over, possibly before the watcher has run. With `LocalOwnership` both are constant and
+the read is skipped, so a request pays two attribute reads for it.
 """
 
 from __future__ import annotations
@@ -34,12 +42,15 @@ from stargate.activator.errors import (
     ActivatorStopped,
     HoldTimeout,
     IncumbentBusy,
+    NoPoolOwner,
+    PoolOwnedElsewhere,
     PoolQueueFull,
     SwapFailed,
     UnknownMember,
 )
 from stargate.activator.members import AvailabilitySource
 from stargate.activator.metrics import ActivatorMetrics
+from stargate.activator.ownership import SELF, LocalOwnership, Owner, PoolOwnership
 from stargate.activator.state import (
     Decision,
     Mode,
@@ -50,6 +61,9 @@ from stargate.activator.state import (
     cleanup_after_acquire,
     deactivate_skip_reason,
     decide,
+    forget_on_ownership_gain,
+    forget_on_ownership_loss,
+    is_idle,
     reconcile_resident,
     resolve_hold_budget,
     resolve_swap_deadline,
@@ -134,7 +148,9 @@ class Grant:
 class _Pool:
     """One pool's runtime: spec, lock, state and change broadcast."""
 
-    def __init__(self, spec: PoolSpec, controller: MemberController, router: str) -> None:
+    def __init__(
+        self, spec: PoolSpec, controller: MemberController, router: str, *, owned: bool
+    ) -> None:
         self.spec = spec
         self.controller = controller
         self.router = router
@@ -143,6 +159,14 @@ class _Pool:
         self.changed = trio.Event()
         self.swap_scope: trio.CancelScope | None = None
         self.metrics: ActivatorMetrics | None = None
+        # Ownership as the watcher last applied it (module docstring): True from the start with
+        # `LocalOwnership`, else set by `Activator._apply_owner`.
+        self.owned = owned
+        self.owner: Owner = SELF if owned else Owner(is_self=False)
+        # The controller calls under the lock in progress: cancelled when ownership is lost.
+        self.controller_calls: set[trio.CancelScope] = set()
+        # Set (and dropped) when the pool turns idle; only exists while someone waits for that.
+        self.idle_event: trio.Event | None = None
         # Counters for tests and `snapshot()`.
         self.deactivates_skipped = 0
         self.swaps_started = 0
@@ -151,6 +175,18 @@ class _Pool:
         """Wake every current waiter and install a fresh event (docs/activator.md, State)."""
         self.changed.set()
         self.changed = trio.Event()
+        if self.idle_event is not None:
+            self.signal_idle()
+
+    def idle(self) -> bool:
+        return is_idle(self.state) and not self.controller_calls
+
+    def signal_idle(self) -> None:
+        """Wake `Activator.wait_idle` callers if the pool is idle now (a no-op with none)."""
+        event = self.idle_event
+        if event is not None and self.idle():
+            self.idle_event = None
+            event.set()
 
     def release(self, member: str) -> None:
         inflight = self.state.inflight.get(member, 0)
@@ -190,8 +226,13 @@ class Activator:
         resync_interval: float = 5.0,
         controller_timeout: float = 10.0,
         before_deactivate: BeforeDeactivateHook | None = None,
+        # Stateless and never changing, so one shared default is safe.
+        ownership: PoolOwnership = LocalOwnership(),  # noqa: B008
     ) -> None:
         self._availability = availability
+        self._ownership = ownership
+        # Ownership that never changes needs no per-request read (module docstring).
+        self._local = type(self._ownership) is LocalOwnership
         self._metrics = metrics
         self._router = router_name or "default"
         self._response_header_timeout = response_header_timeout
@@ -208,7 +249,7 @@ class Activator:
             controller = controllers.get(spec.name)
             if controller is None:
                 raise ValueError(f"pool {spec.name!r} has no member controller")
-            pool = _Pool(spec, controller, self._router)
+            pool = _Pool(spec, controller, self._router, owned=self._local)
             pool.metrics = metrics
             for member in spec.members:
                 other = self._by_member.get(member)
@@ -233,6 +274,11 @@ class Activator:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                for pool in self._pools.values():
+                    # The contract (stargate/activator/ownership.py): take the event, then read.
+                    event = self._ownership.changed(pool.spec.name)
+                    self._apply_owner(pool, self._ownership.owner(pool.spec.name), initial=True)
+                    nursery.start_soon(self._watch_ownership, pool, event)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -242,6 +288,98 @@ class Activator:
                 pool.swap_scope = None
                 pool.state.pending_deactivate.clear()
                 pool.notify()
+
+    # ---- ownership ------------------------------------------------------------------------------
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """Every pool's name, in declaration order."""
+        return tuple(self._pools)
+
+    @property
+    def ownership(self) -> PoolOwnership:
+        """Who decides for each pool (the proxy's relay follows its changes)."""
+        return self._ownership
+
+    def owns(self, pool: str) -> bool:
+        """This replica decides for `pool` now (KeyError for an unknown pool)."""
+        return self._decides(self._pools[pool])
+
+    def _decides(self, pool: _Pool) -> bool:
+        """The guard of every decision and controller call (module docstring)."""
+        return pool.owned and (self._local or self._ownership.owner(pool.spec.name).is_self)
+
+    async def _watch_ownership(self, pool: _Pool, event: trio.Event) -> None:
+        """Follow one pool's ownership for the activator's lifetime."""
+        name = pool.spec.name
+        while True:
+            await event.wait()
+            event = self._ownership.changed(name)
+            self._apply_owner(pool, self._ownership.owner(name))
+
+    def _apply_owner(self, pool: _Pool, owner: Owner, *, initial: bool = False) -> None:
+        """An ownership change, applied at once (no checkpoint, so no locked section sees half of
+        it; docs/pool-ownership.md, "The activator with an owner").
+
+        Gained: forget the residency belief, so the next acquire re-derives it from the members'
+        availability. Lost: stop deciding now, without a controller call: the running swap is
+        cancelled and forgotten, pending deactivates dropped, controller calls in progress cut
+        short. Every change wakes every waiter, who then proceeds, raises `PoolOwnedElsewhere` or
+        keeps waiting for an owner.
+        """
+        name = pool.spec.name
+        old = pool.owner
+        pool.owner = owner
+        st = pool.state
+        if owner.is_self and not pool.owned:
+            pool.owned = True
+            forget_on_ownership_gain(st)
+        elif owner.is_self and not initial:
+            # Still ours, yet something changed: it may have been lost and regained between two
+            # wake-ups of this watcher, while another replica swapped. Re-read to be sure.
+            st.resident_checked_at = None
+        elif not owner.is_self and pool.owned:
+            pool.owned = False
+            swap = forget_on_ownership_loss(st)
+            scope, pool.swap_scope = pool.swap_scope, None
+            if swap is not None and swap.cancel_reason is None:
+                swap.cancel_reason = "cancelled"
+            if scope is not None:
+                scope.cancel()
+            for call in pool.controller_calls:
+                call.cancel()
+            pool.publish_resident()
+        if self._metrics is not None:
+            self._metrics.owned.labels(pool=name, router=self._router).set(1 if pool.owned else 0)
+        if (initial and not self._local) or old != owner:
+            level = logging.INFO if owner.is_self or old.is_self or initial else logging.DEBUG
+            log.log(
+                level,
+                "model pool owner",
+                extra={"pool": name, "old_owner": _describe(old), "new_owner": _describe(owner)},
+            )
+        pool.notify()
+
+    def count_relayed(self, pool: str, outcome: str) -> None:
+        """Count one pool request this replica did not own, by its final outcome (the proxy's
+        relay, stargate/proxy/owner_relay.py)."""
+        if self._metrics is not None:
+            self._metrics.relayed.labels(outcome=outcome, pool=pool, router=self._router).inc()
+
+    def idle(self, pool: str) -> bool:
+        """Nothing waiting, nothing in flight, no swap, no deferred deactivate or controller call
+        to finish: the owner may release the pool (KeyError for an unknown pool)."""
+        return self._pools[pool].idle()
+
+    async def wait_idle(self, pool: str) -> None:
+        """Return once `pool` is idle (at once if it is). A leaving owner calls this before it
+        releases the pool's lease, so the next owner starts from a settled pool; new requests can
+        keep it busy, so the caller bounds the wait."""
+        runtime = self._pools[pool]
+        while not runtime.idle():
+            if runtime.idle_event is None:
+                runtime.idle_event = trio.Event()
+            await runtime.idle_event.wait()
 
     # ---- queries --------------------------------------------------------------------------------
 
@@ -294,6 +432,8 @@ class Activator:
                 "swap_errors": {m: reason for m, (_, reason) in st.swap_err.items()},
                 "pending_deactivates": sorted(st.pending_deactivate),
                 "locked": pool.lock.locked(),
+                "owned": pool.owned,
+                "owner": _describe(pool.owner),
                 "swaps_started": pool.swaps_started,
                 "deactivates_skipped": pool.deactivates_skipped,
             }
@@ -326,10 +466,12 @@ class Activator:
         Acquire).
 
         Raises `HoldTimeout`, `SwapFailed`, `IncumbentBusy`, `PoolQueueFull`, `UnknownMember` or
-        `ActivatorStopped`;
-        a cancellation from the caller propagates as `trio.Cancelled`. The grant is counted in
-        flight in the same checkpoint-free step that returns it, so a caller cancelled while
-        being granted never strands a count.
+        `ActivatorStopped`; with several replicas (docs/pool-ownership.md) also
+        `PoolOwnedElsewhere` (another replica owns the pool: at once, or as soon as ownership
+        moves there while this call waits) and `NoPoolOwner` (no replica owned it within the
+        hold budget). A cancellation from the caller propagates as `trio.Cancelled`. The grant is
+        counted in flight in the same checkpoint-free step that returns it, so a caller cancelled
+        while being granted never strands a count.
         """
         pool = self._pool_for(model)
         if self._nursery is None:
@@ -350,6 +492,7 @@ class Activator:
         st.waiting[model] = st.waiting.get(model, 0) + 1
         pool.publish_held(model)
         schedule_cleanup = True
+        waiting_for_owner = False
         try:
             with trio.CancelScope(deadline=hold_start + hold):
                 first_pass = True
@@ -357,52 +500,79 @@ class Activator:
                     async with pool.lock:
                         if self._nursery is None:
                             raise ActivatorStopped("the activator stopped")
-                        if first_pass and reconcile_resident(
-                            st,
-                            self._availability.is_available,
-                            trio.current_time(),
-                            self._resync_interval,
-                        ):
-                            pool.publish_resident()
-                        decision = decide(st, model, mode)
-                        if decision is Decision.SWAP_ERROR:
-                            message, reason = st.swap_err.pop(model)
-                            raise SwapFailed(message, pool=spec.name, member=model, reason=reason)
-                        if decision is Decision.GRANT:
-                            st.inflight[model] = st.inflight.get(model, 0) + 1
-                            if self._metrics is not None:
-                                self._metrics.coalesced.labels(
-                                    member=model, pool=spec.name, router=self._router
-                                ).inc()
-                            return Grant(pool, model)  # no checkpoint from here to the caller
-                        if decision is Decision.BUSY:
-                            if self._metrics is not None:
-                                self._metrics.busy_skips.labels(
-                                    member=model, pool=spec.name, router=self._router
-                                ).inc()
-                            raise IncumbentBusy(
-                                "model pool incumbent busy; swap not started",
-                                pool=spec.name,
-                                member=model,
-                            )
-                        if first_pass and st.held() - 1 >= spec.max_held:
-                            schedule_cleanup = False  # this request started and held nothing
-                            raise PoolQueueFull(
-                                f"model pool {spec.name} already holds {spec.max_held} requests",
-                                pool=spec.name,
-                                member=model,
-                            )
-                        if decision is Decision.START_SWAP:
-                            self._start_swap(pool, st.resident, model, hold_start)
-                        first_pass = False
+                        waiting_for_owner = not self._decides(pool)
+                        if waiting_for_owner:
+                            # Another owner: hand over at once. None yet (or the watcher has not
+                            # applied a gain): wait, woken by every ownership change.
+                            self._raise_if_owned_elsewhere(pool, model, hold_start + hold)
+                        else:
+                            if first_pass and reconcile_resident(
+                                st,
+                                self._availability.is_available,
+                                trio.current_time(),
+                                self._resync_interval,
+                            ):
+                                pool.publish_resident()
+                            decision = decide(st, model, mode)
+                            if decision is Decision.SWAP_ERROR:
+                                message, reason = st.swap_err.pop(model)
+                                raise SwapFailed(
+                                    message, pool=spec.name, member=model, reason=reason
+                                )
+                            if decision is Decision.GRANT:
+                                st.inflight[model] = st.inflight.get(model, 0) + 1
+                                if self._metrics is not None:
+                                    self._metrics.coalesced.labels(
+                                        member=model, pool=spec.name, router=self._router
+                                    ).inc()
+                                return Grant(pool, model)  # no checkpoint from here to the caller
+                            if decision is Decision.BUSY:
+                                if self._metrics is not None:
+                                    self._metrics.busy_skips.labels(
+                                        member=model, pool=spec.name, router=self._router
+                                    ).inc()
+                                raise IncumbentBusy(
+                                    "model pool incumbent busy; swap not started",
+                                    pool=spec.name,
+                                    member=model,
+                                )
+                            if first_pass and st.held() - 1 >= spec.max_held:
+                                schedule_cleanup = False  # this request started and held nothing
+                                raise PoolQueueFull(
+                                    f"model pool {spec.name} already holds {spec.max_held} "
+                                    "requests",
+                                    pool=spec.name,
+                                    member=model,
+                                )
+                            if decision is Decision.START_SWAP:
+                                self._start_swap(pool, st.resident, model, hold_start)
+                            first_pass = False
                         changed = pool.changed  # snapshot under the lock: no lost wakeup
                     await changed.wait()
             # Only our own hold deadline lands here; a caller's cancel propagates as Cancelled.
+            if waiting_for_owner:
+                raise NoPoolOwner(
+                    f"no replica owned model pool {spec.name} within the hold budget",
+                    pool=spec.name,
+                    member=model,
+                )
             raise HoldTimeout(
                 "model pool activation hold budget exceeded", pool=spec.name, member=model
             )
         finally:
             self._cleanup(pool, model, schedule=schedule_cleanup)
+
+    def _raise_if_owned_elsewhere(self, pool: _Pool, member: str, deadline: float) -> None:
+        """`PoolOwnedElsewhere` when another replica owns `pool` and can be reached."""
+        owner = self._ownership.owner(pool.spec.name)
+        if not owner.is_self and owner.address is not None:
+            raise PoolOwnedElsewhere(
+                pool.spec.name,
+                member,
+                owner.address,
+                identity=owner.identity,
+                deadline=deadline,
+            )
 
     def _pool_for(self, model: str) -> _Pool:
         pool = self._by_member.get(model)
@@ -425,8 +595,10 @@ class Activator:
         cancel_swap, gen = cleanup_after_acquire(st, member)
         if cancel_swap:
             self._cancel_swap(pool)
-        if gen is not None and schedule:
+        if gen is not None and schedule and self._decides(pool):
             self._schedule_deactivate(pool, member, gen)
+        if pool.idle_event is not None:
+            pool.signal_idle()
 
     # ---- swaps ----------------------------------------------------------------------------------
 
@@ -481,6 +653,11 @@ class Activator:
     async def _run_swap(self, pool: _Pool, swap: SwapState, scope: trio.CancelScope) -> None:
         error: BaseException | None = None
         t0 = trio.current_time()
+        if not self._decides(pool):
+            # Ownership went away between the swap's start and its task (the source said so
+            # before the watcher ran): no controller call; quiet, like a cancelled swap.
+            await self._finish_swap(pool, swap, SwapOutcome.CANCELLED, None, t0)
+            return
         with scope:
             try:
                 await pool.controller.activate(swap.target)
@@ -615,38 +792,70 @@ class Activator:
         async with pool.lock:
             gen = st.pending_deactivate.pop(member, None)
             if gen is None:
+                if pool.idle_event is not None:
+                    pool.signal_idle()
                 return
             skip = deactivate_skip_reason(st, member, gen)
+            if skip is None and not self._decides(pool):
+                skip = "not_owner"  # the next owner decides (docs/pool-ownership.md)
             if skip is not None:
                 pool.deactivates_skipped += 1
                 log.debug(
                     "model pool deactivate skipped",
                     extra={"pool": pool.spec.name, "member": member, "reason": skip},
                 )
+                if pool.idle_event is not None:
+                    pool.signal_idle()
                 return
             await self._deactivate_locked(pool, member, "model pool deactivate failed")
 
     async def _deactivate_locked(self, pool: _Pool, member: str, failure_message: str) -> None:
         """One bounded controller call under the pool lock (deviation from upstream,
         docs/decisions.md, D16: a
-        hung controller must not freeze the pool). A timed-out patch may still have applied."""
-        with trio.move_on_after(self._controller_timeout) as scope:
-            try:
-                await pool.controller.deactivate(member)
-            except Exception as exc:
-                log.warning(
-                    failure_message,
-                    extra={"pool": pool.spec.name, "member": member, "error": repr(exc)},
-                )
+        hung controller must not freeze the pool). A timed-out patch may still have applied.
+
+        Guarded by ownership (only the owner calls the controller), and cut short if ownership is
+        lost during the call (`_apply_owner`)."""
+        if not self._decides(pool):
+            log.debug(
+                "model pool deactivate skipped",
+                extra={"pool": pool.spec.name, "member": member, "reason": "not_owner"},
+            )
+            return
+        scope = trio.CancelScope(deadline=trio.current_time() + self._controller_timeout)
+        pool.controller_calls.add(scope)
+        try:
+            with scope:
+                try:
+                    await pool.controller.deactivate(member)
+                except Exception as exc:
+                    log.warning(
+                        failure_message,
+                        extra={"pool": pool.spec.name, "member": member, "error": repr(exc)},
+                    )
+        finally:
+            pool.controller_calls.discard(scope)
+            if pool.idle_event is not None:
+                pool.signal_idle()
         if scope.cancelled_caught:
+            lost = not pool.owned
             log.warning(
                 failure_message,
                 extra={
                     "pool": pool.spec.name,
                     "member": member,
-                    "error": f"timed out after {self._controller_timeout}s (may still apply)",
+                    "error": "cut short: ownership lost (may still apply)"
+                    if lost
+                    else f"timed out after {self._controller_timeout}s (may still apply)",
                 },
             )
+
+
+def _describe(owner: Owner) -> str:
+    """An owner for logs: "self", its identity or address, or "none"."""
+    if owner.is_self:
+        return "self"
+    return owner.identity or owner.address or "none"
 
 
 def _now_or_none() -> float | None:

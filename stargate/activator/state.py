@@ -23,6 +23,9 @@ __all__ = [
     "cleanup_after_acquire",
     "deactivate_skip_reason",
     "decide",
+    "forget_on_ownership_gain",
+    "forget_on_ownership_loss",
+    "is_idle",
     "reconcile_resident",
     "resolve_hold_budget",
     "resolve_swap_deadline",
@@ -148,6 +151,45 @@ def deactivate_skip_reason(state: PoolState, member: str, gen: int) -> str | Non
     if swap is not None and swap.target == member and swap.gen != gen:
         return "newer_swap"
     return None
+
+
+def forget_on_ownership_loss(state: PoolState) -> SwapState | None:
+    """This replica stopped owning the pool (docs/pool-ownership.md, "The activator with an
+    owner"): drop every decision in progress without calling the controller, since the next owner
+    decides now. Returns the swap that was running, whose task the caller cancels.
+
+    The swap state is cleared here, not by its task, so the task finds itself superseded (F2) and
+    only notifies. Pending deferred deactivates are forgotten (their tasks find nothing to do);
+    one-shot swap errors are the old owner's. The resident belief is dropped: a replica that does
+    not decide has none, so the `resident` gauge summed over the fleet is the owner's. Waiting and
+    in-flight counts stay: they are this replica's requests, still real.
+    """
+    swap = state.swap
+    state.swap = None
+    state.pending_deactivate.clear()
+    state.swap_err.clear()
+    state.resident = None
+    state.resident_checked_at = None
+    return swap
+
+
+def forget_on_ownership_gain(state: PoolState) -> None:
+    """This replica became the pool's owner: whatever it believed about residency may be stale
+    (another replica swapped meanwhile), so the next acquire re-derives it from the members'
+    availability, as the self-heal path does (docs/activator.md, Reconcile)."""
+    state.resident_checked_at = None
+    state.swap_err.clear()
+
+
+def is_idle(state: PoolState) -> bool:
+    """Nothing waiting, nothing in flight, no swap and no deferred deactivate still to run: an
+    owner may hand the pool over without cutting a decision short."""
+    return (
+        not state.waiting
+        and not state.inflight
+        and state.swap is None
+        and not state.pending_deactivate
+    )
 
 
 class SwapOutcome(enum.Enum):

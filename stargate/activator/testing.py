@@ -1,4 +1,5 @@
-"""A running activator over fake controllers, for tests (here and in later proxy tests)."""
+"""A running activator over fake controllers, for tests (here and in later proxy tests), and a
+`FakeOwnership` whose owner per pool the test sets."""
 
 from __future__ import annotations
 
@@ -13,9 +14,55 @@ from prometheus_client import CollectorRegistry
 from stargate.activator.controller import FakeController
 from stargate.activator.members import MemberAvailability
 from stargate.activator.metrics import ActivatorMetrics
+from stargate.activator.ownership import NO_OWNER, SELF, Owner
 from stargate.activator.pool import Activator, PoolSpec
 
-__all__ = ["Harness", "running_activator"]
+__all__ = ["FakeOwnership", "Harness", "running_activator"]
+
+
+class FakeOwnership:
+    """A `PoolOwnership` the test drives: `set_owner(pool, owner)` (or `own`, `disown`,
+    `elsewhere`) changes a pool's owner and fires its change event at once. Every pool starts with
+    `initial` (no owner by default). `reads` counts `owner()` calls, to show who asked."""
+
+    def __init__(self, initial: Owner = NO_OWNER) -> None:
+        self._initial = initial
+        self._owners: dict[str, Owner] = {}
+        self._events: dict[str, trio.Event] = {}
+        self.reads = 0
+
+    def owner(self, pool: str) -> Owner:
+        self.reads += 1
+        return self._owners.get(pool, self._initial)
+
+    def changed(self, pool: str) -> trio.Event:
+        event = self._events.get(pool)
+        if event is None:
+            event = self._events[pool] = trio.Event()
+        return event
+
+    def set_owner(self, pool: str, owner: Owner, *, notify: bool = True) -> None:
+        """`notify=False` changes the owner without firing the event yet (`fire` does later): a
+        source may turn `is_self` off before its change is seen (stargate/activator/ownership.py).
+        """
+        self._owners[pool] = owner
+        if notify:
+            self.fire(pool)
+
+    def fire(self, pool: str) -> None:
+        event = self._events.pop(pool, None)
+        if event is not None:
+            event.set()
+
+    def own(self, pool: str) -> None:
+        self.set_owner(pool, SELF)
+
+    def disown(self, pool: str) -> None:
+        """Nobody owns the pool (a lease expired, not yet taken)."""
+        self.set_owner(pool, NO_OWNER)
+
+    def elsewhere(self, pool: str, address: str, identity: str | None = None) -> None:
+        self.set_owner(pool, Owner(is_self=False, address=address, identity=identity))
 
 
 @dataclass

@@ -29,7 +29,13 @@ from urllib.parse import unquote
 
 import trio
 
-from stargate.activator import Activator, ActivatorError, Grant
+from stargate.activator import (
+    Activator,
+    ActivatorError,
+    Grant,
+    PoolOwnedElsewhere,
+    PoolOwnerMoved,
+)
 from stargate.asgi import (
     BODY_FOLLOWS,
     ASGIApp,
@@ -55,6 +61,7 @@ from stargate.proxy.contract import (
     parse_unsigned,
 )
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
+from stargate.proxy.owner_relay import OwnerRelay, is_relayed
 from stargate.proxy.upstream import UpstreamError
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
@@ -92,9 +99,13 @@ class ProxyApp:
         *,
         activator: Activator | None = None,
         tracer: RequestTracer | None = None,
+        relay: OwnerRelay | None = None,
     ) -> None:
         self._forwarder = forwarder
         self._activator = activator
+        # Hands pool requests to the pool's owner when another replica owns the pool
+        # (stargate/proxy/owner_relay.py); None: such a request is answered 503.
+        self._relay = relay
         # None with tracing off: then a request pays one `is None` test for it (docs/tracing.md).
         self._tracer = tracer
         self._config = config
@@ -205,7 +216,7 @@ class ProxyApp:
             with trio.CancelScope() as gone:
                 hook.on_disconnect(gone.cancel)
                 try:
-                    await self._exchange(send, request, spec, body, span)
+                    await self._exchange(send, request, spec, body, span, scope)
                 finally:
                     hook.on_disconnect(None)
             if gone.cancelled_caught:
@@ -214,7 +225,7 @@ class ProxyApp:
         completed = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._exchange(send, request, spec, body, span)
+            await self._exchange(send, request, spec, body, span, scope)
             completed = True
             nursery.cancel_scope.cancel()
         if not completed:
@@ -227,11 +238,21 @@ class ProxyApp:
         spec: AlgorithmSpec,
         body: bytes | bytearray,
         span: RequestSpan | None = None,
+        scope: ASGIScope | None = None,
     ) -> None:
-        """Hold a pool slot if the model is pooled, forward, and answer."""
+        """Hold a pool slot if the model is pooled, forward, and answer; hand the request to the
+        pool's owner when another replica owns the pool."""
         grant: Grant | None = None
         try:
             grant = await self._acquire(request, span)
+        except PoolOwnedElsewhere as elsewhere:
+            try:
+                grant = await self._owned_elsewhere(send, request, body, scope, elsewhere)
+            except ActivatorError as error:
+                await self._answer(send, request, _pool_error(error))
+                return
+            if grant is None:
+                return  # answered by the owner
         except ActivatorError as error:
             await self._answer(send, request, _pool_error(error))
             return
@@ -248,6 +269,39 @@ class ProxyApp:
         finally:
             if grant is not None:
                 grant.release()  # exactly once, when the response body has ended
+
+    async def _owned_elsewhere(
+        self,
+        send: ASGISend,
+        request: ProxyRequest,
+        body: bytes | bytearray,
+        scope: ASGIScope | None,
+        elsewhere: PoolOwnedElsewhere,
+    ) -> Grant | None:
+        """Relay to the owner (None: answered), or a grant if ownership came here meanwhile.
+
+        A request that was already relayed once is never relayed again (no loop): its sender
+        believed this replica owned the pool, so ownership moved, and the client retries
+        (docs/pool-ownership.md, "Relaying requests to the owner")."""
+        headers = () if scope is None else scope["headers"]
+        if is_relayed(headers):
+            if self._activator is not None:
+                self._activator.count_relayed(elsewhere.pool, "rejected")
+            raise PoolOwnerMoved(
+                f"this replica does not own model pool {elsewhere.pool} (it moved); retry",
+                pool=elsewhere.pool,
+                member=elsewhere.member,
+            )
+        if self._relay is None or scope is None:
+            raise elsewhere
+        return await self._relay.relay(
+            send,
+            scope,
+            request,
+            body,
+            elsewhere,
+            lambda status: self._count(request, "", status),
+        )
 
     def _parse(
         self, scope: ASGIScope, headers: list[tuple[bytes, bytes]], body: bytes | bytearray

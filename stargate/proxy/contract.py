@@ -73,6 +73,7 @@ _DROPPED = frozenset(
         b"x-stargate-retry-after-ms",
         b"x-stargate-expected-queue-ms",
         b"x-stargate-error-code",
+        b"x-stargate-pool-relayed",  # between replicas only (stargate/proxy/owner_relay.py)
         b"http2-settings",  # hop-by-hop (RFC 9113 §3.2.1): belongs to the client's connection
     }
 )
