@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import ipaddress
 import logging
+import math
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -35,8 +36,10 @@ from stargate.activator import (
     Activator,
     ActivatorMetrics,
     FakeController,
+    LocalOwnership,
     MemberAvailability,
     MemberController,
+    PoolOwnership,
 )
 from stargate.activator.config import (
     KubernetesMember,
@@ -52,6 +55,7 @@ from stargate.activator.kubernetes import (
     KubernetesTarget,
     load_api_config,
 )
+from stargate.activator.lease_ownership import LeaseOwnership
 from stargate.activator.process import MemberCommand, ProcessController
 from stargate.admin_app import create_admin_app
 from stargate.asgi import InFlight
@@ -108,6 +112,7 @@ from stargate.metrics import (
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import limit_answer
 from stargate.proxy.forwarder import UNREGISTERED, Forwarder
+from stargate.proxy.owner_relay import OwnerRelay
 from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.readiness import Readiness
 from stargate.routing import Registration, RoutingState, RoutingTargetKey
@@ -132,6 +137,8 @@ if TYPE_CHECKING:  # loaded only with --otel-endpoint (`_start_tracing`, docs/tr
 log = logging.getLogger(__name__)
 
 STOP_POOL_MEMBERS_SECONDS = 15.0
+# At exit, how long releasing the pool Leases still held may take (docs/pool-ownership.md).
+LEASE_RELEASE_SECONDS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +214,10 @@ class Replica:
         self.member_availability = MemberAvailability()
         self.pools = _pool_config(config.activator)
         self.activator: Activator | None = None
+        # With --pool-ownership=lease: who decides for each pool (docs/pool-ownership.md), and
+        # the connections that relay a pool's requests to its owner.
+        self.pool_leases: LeaseOwnership | None = None
+        self._relay_pool: ConnectionPool | None = None
         self._pool_controllers: list[MemberController] = []
         control = config.control_plane
         self.registrations = RegistrationService(
@@ -259,6 +270,7 @@ class Replica:
                 self._stop_accepting()
             return
         self._leaving = True
+        self._hand_over_pools()
         if not leave or self.config.shutdown_delay_ms == 0:
             self._stop_accepting()
             return
@@ -392,6 +404,8 @@ class Replica:
                     services.start_soon(self.tls.run)
                     services.start_soon(self.readiness.watch_certificate_expiry)
                 self.activator = await self._start_activator(services)
+                if self._leaving:  # a signal came while the pools started
+                    self._hand_over_pools()
                 # The HTTP app is built once the activator exists: the proxy holds pooled requests.
                 proxy_app = ProxyApp(
                     self.forwarder,
@@ -400,6 +414,7 @@ class Replica:
                     fallback=cast(ASGIApp, self.admin_app),
                     activator=self.activator,
                     tracer=None if self.tracing is None else self.tracing.tracer,
+                    relay=self._owner_relay(),
                 )
                 listener_config = functools.partial(hypercorn_config, graceful)
                 http_app, http_config = self._limit_http_clients(
@@ -469,6 +484,13 @@ class Replica:
                 await self._health_client.aclose()
                 await self._probe_pool.aclose()
                 await self.pool.aclose()
+                if self._relay_pool is not None:
+                    await self._relay_pool.aclose()
+                if self.pool_leases is not None:  # what a crash would leave to expire
+                    with trio.move_on_after(LEASE_RELEASE_SECONDS):
+                        for pool in self.pool_leases.pools:
+                            await self.pool_leases.release(pool)
+                    await self.pool_leases.aclose()
                 if self.tracing is not None:  # the last spans, within a bounded wait
                     await self.tracing.aclose()
                 if isinstance(self.registrations.authenticator, WorkerAuthenticator):
@@ -533,6 +555,11 @@ class Replica:
         self.member_availability.seed(
             members, lambda model: self.routing.active_backend_count(RoutingTargetKey(None, model))
         )
+        ownership: PoolOwnership = LocalOwnership()
+        if timing.ownership.mode == "lease":
+            self.pool_leases = self._pool_leases(self.pools)
+            await services.start(self.pool_leases.run)
+            ownership = self.pool_leases
         activator = Activator(
             self.pools.pool_specs,
             controllers,
@@ -542,13 +569,52 @@ class Replica:
             response_header_timeout=self.config.proxy.response_header_timeout_ms / 1000,
             resync_interval=timing.resync_interval_ms / 1000,
             controller_timeout=timing.controller_timeout_ms / 1000,
+            ownership=ownership,
         )
         await services.start(activator.run)
         log.info("model pools enabled: %s", ", ".join(p.pool.name for p in self.pools.pools))
-        warning = shared_pools_warning(self.pools, self.config.discovery)
-        if warning is not None:
-            log.warning("%s", warning)
+        if self.pool_leases is None:
+            warning = shared_pools_warning(self.pools, self.config.discovery)
+            if warning is not None:
+                log.warning("%s", warning)
         return activator
+
+    def _pool_leases(self, pools: PoolsConfig) -> LeaseOwnership:
+        """One Lease per pool (docs/pool-ownership.md)."""
+        config = self.config.activator.ownership
+        try:
+            api = load_api_config()
+        except KubernetesConfigError as error:
+            raise StartupError(f"--pool-ownership=lease: {error}") from error
+        owner_url = config.owner_url
+        if owner_url is None and self.publisher is not None:
+            # This replica's HTTP listener as its peers reach it: the advertise host.
+            scheme = "http" if self.tls is None else "https"
+            owner_url = f"{scheme}://{self.publisher.config.http_advertise_addr}"
+        return LeaseOwnership.from_config(
+            dataclasses.replace(config, owner_url=owner_url),
+            [p.pool.name for p in pools.pools],
+            identity=self.config.stargate_id,
+            api=api,
+        )
+
+    def _hand_over_pools(self) -> None:
+        """A shutdown begins: take no pool Lease any more, and release each one held as soon as
+        its pool is idle, so another replica decides for it within a retry period rather than
+        after the Lease expires (docs/pool-ownership.md, Failover)."""
+        leases, activator = self.pool_leases, self.activator
+        if leases is None or activator is None or self._services is None:
+            return
+        leases.stop_acquiring()
+        for pool in activator.pool_names:
+            if activator.owns(pool):
+                self._services.start_soon(self._release_when_idle, leases, activator, pool)
+
+    async def _release_when_idle(
+        self, leases: LeaseOwnership, activator: Activator, pool: str
+    ) -> None:
+        await activator.wait_idle(pool)
+        await leases.release(pool)
 
     def _controller(self, pool: PoolConfig, services: trio.Nursery) -> MemberController:
         spec = pool.controller
@@ -604,6 +670,29 @@ class Replica:
             await trio.sleep(self.pool.config.idle_expiry)
             self.pool.close_expired()
             self._probe_pool.close_expired()
+            if self._relay_pool is not None:
+                self._relay_pool.close_expired()
+
+    def _owner_relay(self) -> OwnerRelay | None:
+        """With shared pools, the relay of a pool's requests to its owner (docs/pool-ownership.md):
+        its own connections, whose response head may take a whole hold budget (the owner holds
+        the request before it answers), so only the relay's deadline bounds it."""
+        if self.pool_leases is None or self.activator is None:
+            return None
+        proxy = self.config.proxy
+        self._relay_pool = ConnectionPool(
+            UpstreamConfig(
+                connect_timeout=proxy.connect_timeout_ms / 1000,
+                response_head_timeout=math.inf,
+                ca_file=None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file),
+                max_connections_per_origin=proxy.max_connections_per_backend,
+            )
+        )
+        return OwnerRelay(
+            self._relay_pool,
+            self.activator,
+            response_header_timeout=proxy.response_header_timeout_ms / 1000,
+        )
 
     async def _sweep_departed_series(self) -> None:
         """Every sweep interval, release what the replica keeps for backends that left.
@@ -702,7 +791,24 @@ def _start_tracing(config: ServeConfig) -> Tracing | None:
 
 
 def _pool_config(activator: ActivatorConfig) -> PoolsConfig | None:
-    """The pool file, validated at construction so a bad file fails before anything binds."""
+    """The pool file, validated at construction so a bad file fails before anything binds.
+
+    Only `kubernetes` pools can be shared (`--pool-ownership=lease`): a `process` pool's engines
+    are this replica's own children, on this machine (docs/pool-ownership.md)."""
+    pools = _load_pools(activator)
+    if pools is not None and activator.ownership.mode == "lease":
+        local = [p.pool.name for p in pools.pools if p.controller.kind != "kubernetes"]
+        if local:
+            raise StartupError(
+                f"--pool-ownership=lease shares pools between replicas, but pools "
+                f"{', '.join(local)} do not use the kubernetes controller (a process pool's "
+                "engines run on this machine): use --pool-ownership=local, one replica per "
+                "machine, for those"
+            )
+    return pools
+
+
+def _load_pools(activator: ActivatorConfig) -> PoolsConfig | None:
     if activator.pool_config_path is None:
         return None
     try:
@@ -849,9 +955,17 @@ async def _main(config: ServeConfig) -> int:
                 code = await replica.run()
                 nursery.cancel_scope.cancel()
         except* StartupError as group:
-            for failure in group.exceptions:
+            for failure in _leaves(group):  # a nursery may have nested the group
                 log.error("%s", failure)
     return code
+
+
+def _leaves(group: BaseExceptionGroup[StartupError]) -> list[BaseException]:
+    """The exceptions in `group`, nested groups flattened."""
+    found: list[BaseException] = []
+    for inner in group.exceptions:
+        found.extend(_leaves(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
+    return found
 
 
 def run(config: ServeConfig) -> int:
