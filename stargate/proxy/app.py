@@ -37,7 +37,6 @@ from stargate.activator import (
     PoolOwnerMoved,
 )
 from stargate.asgi import (
-    BODY_FOLLOWS,
     ASGIApp,
     ASGIReceive,
     ASGIScope,
@@ -62,7 +61,7 @@ from stargate.proxy.contract import (
 )
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
 from stargate.proxy.owner_relay import OwnerRelay, is_relayed
-from stargate.proxy.upstream import UpstreamError
+from stargate.proxy.response_body import BodyBroke, send_response
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
     from stargate.tracing.request import RequestSpan, RequestTracer
@@ -366,33 +365,10 @@ class ProxyApp:
             # Counted before the head goes out: a client that leaves now still got a status.
             self._count(request, backend.inference_server_id, response.status)
             start = {"type": "http.response.start", "status": response.status, "headers": headers}
-            failure: UpstreamError | None = None
             try:
-                first = response.take_buffered()  # what arrived with the head: no waiting
-            except UpstreamError as error:
-                first, failure = None, error  # reported after the head, as before
-            if first is not None or (failure is None and response.complete):
-                # Its body goes right after it: the server may write both at once (one syscall).
-                start[BODY_FOLLOWS] = True
-            await send(start)
-            relayed = 0
-            try:
-                if failure is not None:
-                    raise failure
-                if first is not None:
-                    if response.complete:
-                        await send({"type": "http.response.body", "body": first})
-                        return
-                    await send({"type": "http.response.body", "body": first, "more_body": True})
-                    relayed += len(first)
-                async for chunk in response.aiter_bytes():
-                    if response.complete:  # the last chunk ends the response: one send, not two
-                        await send({"type": "http.response.body", "body": chunk})
-                        return
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    relayed += len(chunk)
-            except UpstreamError as error:
-                message = " ".join(str(error).split()) or type(error).__name__
+                await send_response(send, response, start)
+            except BodyBroke as broke:
+                message = str(broke)
                 log.warning(
                     "upstream body failed mid-stream",
                     extra={
@@ -401,12 +377,11 @@ class ProxyApp:
                         # Without the query string: it is the client's and may carry a key.
                         "url": backend.url.rstrip("/")
                         + request.target_path.partition(b"?")[0].decode("latin-1"),
-                        "bytes": relayed,
+                        "bytes": broke.relayed,
                         "error": message,
                     },
                 )
                 raise UpstreamBodyError(message) from None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _answer(self, send: ASGISend, request: ProxyRequest, error: ContractError) -> None:
         """Count, then send, an answer the replica makes itself for a parsed request."""

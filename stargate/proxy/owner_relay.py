@@ -47,9 +47,10 @@ from stargate.activator import (
     PoolOwnedElsewhere,
     PoolOwnerMoved,
 )
-from stargate.asgi import BODY_FOLLOWS, ASGIScope, ASGISend
+from stargate.asgi import ASGIScope, ASGISend
 from stargate.logs import LoggedError
 from stargate.proxy.contract import Headers, ProxyRequest, first_header
+from stargate.proxy.response_body import BodyBroke, send_response
 from stargate.proxy.upstream import ConnectionPool, UpstreamError, UpstreamResponse
 
 __all__ = [
@@ -340,41 +341,18 @@ class OwnerRelay:
                 "status": response.status,
                 "headers": relay_response_headers(response.headers),
             }
-            failure: UpstreamError | None = None
             try:
-                first = response.take_buffered()
-            except UpstreamError as error:
-                first, failure = None, error
-            if first is not None or (failure is None and response.complete):
-                start[BODY_FOLLOWS] = True
-            await send(start)
-            relayed = 0
-            try:
-                if failure is not None:
-                    raise failure
-                if first is not None:
-                    if response.complete:
-                        await send({"type": "http.response.body", "body": first})
-                        return
-                    await send({"type": "http.response.body", "body": first, "more_body": True})
-                    relayed += len(first)
-                async for chunk in response.aiter_bytes():
-                    if response.complete:
-                        await send({"type": "http.response.body", "body": chunk})
-                        return
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    relayed += len(chunk)
-            except UpstreamError as error:
-                message = " ".join(str(error).split()) or type(error).__name__
+                await send_response(send, response, start)
+            except BodyBroke as broke:
+                message = str(broke)
                 log.warning(
                     "pool owner body failed mid-stream",
                     extra={
                         "request_id": where[0],
                         "pool": where[1],
                         "owner": where[2],
-                        "bytes": relayed,
+                        "bytes": broke.relayed,
                         "error": message,
                     },
                 )
                 raise RelayBodyError(message) from None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
