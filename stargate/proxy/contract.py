@@ -31,6 +31,7 @@ from stargate.proxy.json_scan import top_level_string
 
 __all__ = [
     "ENDPOINTS",
+    "HOP_BY_HOP",
     "ContractError",
     "ProxyRequest",
     "estimate_input_tokens",
@@ -55,9 +56,9 @@ U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 ROUTING_WAIT_CAP_MS = 60_000
 
-# Dropped both ways (docs/data-plane.md, Header filtering): hop-by-hop headers, then
-# Stargate-internal ones.
-_DROPPED = frozenset(
+# Headers that describe one connection, never the request (RFC 9110 §7.6.1; `http2-settings`,
+# RFC 9113 §3.2.1), and `host`, which the upstream connection sets.
+HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"proxy-connection",
@@ -66,7 +67,14 @@ _DROPPED = frozenset(
         b"te",
         b"trailer",
         b"upgrade",
+        b"http2-settings",
         b"host",
+    }
+)
+# Dropped both ways (docs/data-plane.md, Header filtering): hop-by-hop headers, then
+# Stargate-internal ones.
+_DROPPED = HOP_BY_HOP | frozenset(
+    {
         b"x-routing-method",
         b"x-stargate-retryable",
         b"x-stargate-retry-reason",
@@ -74,7 +82,6 @@ _DROPPED = frozenset(
         b"x-stargate-expected-queue-ms",
         b"x-stargate-error-code",
         b"x-stargate-pool-relayed",  # between replicas only (stargate/proxy/owner_relay.py)
-        b"http2-settings",  # hop-by-hop (RFC 9113 §3.2.1): belongs to the client's connection
     }
 )
 # Forwarded once, with the value the replica routed by (a duplicate could disagree with it).

@@ -49,7 +49,7 @@ from stargate.activator import (
 )
 from stargate.asgi import ASGIScope, ASGISend
 from stargate.logs import LoggedError
-from stargate.proxy.contract import Headers, ProxyRequest, first_header
+from stargate.proxy.contract import HOP_BY_HOP, Headers, ProxyRequest, first_header
 from stargate.proxy.response_body import BodyBroke, send_response
 from stargate.proxy.upstream import ConnectionPool, UpstreamError, UpstreamResponse
 
@@ -68,22 +68,8 @@ log = logging.getLogger(__name__)
 RELAYED_HEADER = b"x-stargate-pool-relayed"
 """The marker on a relayed request; its value is the pool's name."""
 
-# RFC 9110 §7.6.1: these describe one connection, never the request.
-_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"proxy-connection",
-        b"keep-alive",
-        b"transfer-encoding",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"http2-settings",
-        b"host",  # the connection pool sets the owner's
-    }
-)
 # Hypercorn adds its own (docs/decisions.md, H3).
-_DROPPED_RESPONSE = _HOP_BY_HOP | {b"date", b"server"}
+_DROPPED_RESPONSE = HOP_BY_HOP | {b"date", b"server"}
 
 
 class RelayFailed(ActivatorError):
@@ -128,7 +114,7 @@ def relay_request_headers(
     marker, plus the client's address in `X-Forwarded-For` (and `X-Forwarded-Proto` unless a
     proxy in front set it) and the marker."""
     received = list(headers)
-    dropped = _HOP_BY_HOP | _connection_options(received) | {RELAYED_HEADER}
+    dropped = HOP_BY_HOP | _connection_options(received) | {RELAYED_HEADER}
     out: Headers = []
     chain: list[bytes] = []
     proto = False

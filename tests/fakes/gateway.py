@@ -9,13 +9,13 @@ import itertools
 import json
 import threading
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote_plus
 
 import grpc
 
 from stargate.protocol import llm_gateway_pb2, llm_gateway_pb2_grpc
+from tests.fakes.http_thread import QuietHandler, ThreadedHttpServer
 
 
 class FakeGateway:
@@ -65,7 +65,7 @@ class FakeGateway:
         self.server.stop(None)
 
 
-class FakeTokenEndpoint:
+class FakeTokenEndpoint(ThreadedHttpServer):
     """`POST /token` of an OAuth2 provider (client-credentials grant) on a loopback HTTP server.
 
     It checks HTTP Basic client authentication (RFC 6749 §2.3.1: id and secret form-encoded) and
@@ -87,7 +87,7 @@ class FakeTokenEndpoint:
         counter = itertools.count(1)
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 endpoint.requests += 1
                 length = int(self.headers.get("content-length", "0"))
@@ -118,18 +118,4 @@ class FakeTokenEndpoint:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)

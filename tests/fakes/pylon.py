@@ -6,26 +6,26 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
 
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
+from tests.fakes.http_thread import QuietHandler, ThreadedHttpServer
 
 ACTIVE = pb.INFERENCE_SERVER_STATUS_ACTIVE
 INACTIVE = pb.INFERENCE_SERVER_STATUS_INACTIVE
 
 
-class FakeBackend:
+class FakeBackend(ThreadedHttpServer):
     """An HTTP server on loopback whose `GET /health` answers 200 or 503 as the test says."""
 
     def __init__(self) -> None:
         self.healthy = True
         backend = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 status = 200 if self.path == "/health" and backend.healthy else 503
                 if self.path not in ("/health", "/v1/health/ready"):
@@ -36,21 +36,7 @@ class FakeBackend:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)
 
 
 def registration(
