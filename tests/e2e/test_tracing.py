@@ -96,6 +96,13 @@ def test_a_streamed_chat_is_traced_from_the_client_through_the_backend(
     spans = collector.wait_for_spans(2, timeout=5)
     root = _one(spans, "proxy_openai_request")
     attempt = _one(spans, "proxy_upstream_http_request")
+    for exported in (root, attempt):  # the trace as the collector got it (pytest -s shows it)
+        print(
+            f"{exported.span.name} kind={exported.span.kind} trace={exported.trace_id} "
+            f"span={exported.span_id} parent={exported.parent_span_id} "
+            f"{dict(sorted(exported.attributes.items()))}"
+        )
+    print(f"backend received traceparent: {received['traceparent']}")
     assert root.service_name == attempt.service_name == "stargate-e2e"
     # The client's trace continues: the root's parent is the client's span.
     assert root.span.kind == SPAN_KIND_SERVER and attempt.span.kind == SPAN_KIND_CLIENT
