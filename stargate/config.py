@@ -397,9 +397,7 @@ class PoolOwnershipConfig:
                 "--pool-lease-prefix must be a DNS label of at most 40 characters (lower-case "
                 f"letters, digits, '-'), got {self.lease_prefix!r}"
             )
-        if self.owner_url is not None and not re.fullmatch(
-            r"https?://[^\s/]+/?", self.owner_url
-        ):
+        if self.owner_url is not None and not re.fullmatch(r"https?://[^\s/]+/?", self.owner_url):
             raise ConfigError(
                 "--pool-owner-url must be this replica's HTTP listener as its peers reach it, "
                 f"like http://10.0.0.7:8000, got {self.owner_url!r}"
