@@ -486,10 +486,8 @@ class Replica:
                 await self.pool.aclose()
                 if self._relay_pool is not None:
                     await self._relay_pool.aclose()
-                if self.pool_leases is not None:  # what a crash would leave to expire
-                    with trio.move_on_after(LEASE_RELEASE_SECONDS):
-                        for pool in self.pool_leases.pools:
-                            await self.pool_leases.release(pool)
+                if self.pool_leases is not None:  # a forced exit may have left some held
+                    await self._release_pool_leases()
                     await self.pool_leases.aclose()
                 if self.tracing is not None:  # the last spans, within a bounded wait
                     await self.tracing.aclose()
@@ -609,6 +607,16 @@ class Replica:
         for pool in activator.pool_names:
             if activator.owns(pool):
                 self._services.start_soon(self._release_when_idle, leases, activator, pool)
+
+    async def _release_pool_leases(self) -> None:
+        """Release every pool Lease still held, within `LEASE_RELEASE_SECONDS`: once nothing is in
+        flight (the drain), before the electors stop, so no renewal is cut off half-way."""
+        leases = self.pool_leases
+        if leases is None:
+            return
+        with trio.move_on_after(LEASE_RELEASE_SECONDS):
+            for pool in leases.pools:
+                await leases.release(pool)
 
     async def _release_when_idle(
         self, leases: LeaseOwnership, activator: Activator, pool: str
@@ -736,6 +744,7 @@ class Replica:
         """End the servers once nothing is in flight; their remaining connections are idle."""
         await self._in_flight.wait_idle()
         log.info("in-flight requests and streams finished")
+        await self._release_pool_leases()
         self._drained = True
         if self._services_scope is not None:
             self._services_scope.cancel()

@@ -15,6 +15,7 @@ happening on time, not at the next loop iteration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -274,21 +275,29 @@ class LeaseOwnership:
         state.released = True
         self._lose(state, "released")
         async with state.lock:  # after an in-flight renewal, whose result must not count
-            observed = state.observed
-            if observed is None or observed.holder != self.identity:
-                return False
-            record = released_record(observed, self._wall())
-            try:
-                written = await self._leases.update(state.name, record, state.metadata)
-            except KubernetesError as error:
-                log.warning(
-                    "pool lease release failed; it will expire instead",
-                    extra={"pool": pool, "lease": state.name, "error": str(error)},
-                )
-                return False
-            self._observe(state, written)
-            self._refresh(state, "released")
-            return True
+            for attempt in range(2):
+                observed = state.observed
+                if observed is None or observed.holder != self.identity:
+                    return False
+                record = released_record(observed, self._wall())
+                try:
+                    written = await self._leases.update(state.name, record, state.metadata)
+                except KubernetesError as error:
+                    if error.status == 409 and attempt == 0:
+                        # Our own renewal may have landed unseen (cancelled after it was sent):
+                        # read again, and release if the Lease still names us.
+                        with contextlib.suppress(KubernetesError):
+                            self._observe(state, await self._leases.get(state.name))
+                            continue
+                    log.warning(
+                        "pool lease release failed; it will expire instead",
+                        extra={"pool": pool, "lease": state.name, "error": str(error)},
+                    )
+                    return False
+                self._observe(state, written)
+                self._refresh(state, "released")
+                return True
+            return False
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -353,6 +353,25 @@ async def test_a_released_pool_is_never_taken_back(autojump_clock: MockClock) ->
         assert api.lease_holder(LEASE) == ""
 
 
+async def test_release_after_a_renewal_that_landed_unseen_still_releases(
+    autojump_clock: MockClock,
+) -> None:
+    """A renewal cut off after it was sent (a shutdown cancelling the elector) may have been
+    applied: the release's resourceVersion is then stale. It reads the Lease again and releases
+    it if it still names this replica, instead of leaving it to expire."""
+    api = FakeApiServer()
+    async with replica(api, "a") as a, fleet(api) as f:
+        await f.start(a)
+        stored = api.lease(LEASE)
+        assert stored is not None and stored["spec"]["holderIdentity"] == "a"
+        api.version += 1  # what our own unseen renewal did on the server
+        stored["metadata"]["resourceVersion"] = str(api.version)
+        assert await a.release(POOL)
+        assert api.lease_holder(LEASE) == ""
+        puts = [c for c in api.calls if c.method == "PUT" and c.path == api.lease_path(LEASE)]
+        assert len(puts) >= 2  # the stale attempt (409), then the one after a fresh read
+
+
 async def test_a_replica_that_stopped_acquiring_takes_nothing(autojump_clock: MockClock) -> None:
     api = FakeApiServer()
     async with replica(api, "a") as a, replica(api, "b") as b, fleet(api) as f:
