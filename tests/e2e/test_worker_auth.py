@@ -207,7 +207,7 @@ def test_an_oauth2_minted_bearer_registers_a_pylon(tmp_path: Path, backend: Fake
 
 def test_tls_to_the_gateway_with_a_ca_file(tmp_path: Path, backend: FakeBackend) -> None:
     ca = trustme.CA()
-    cert = ca.issue_cert("localhost")
+    cert = ca.issue_cert("127.0.0.1")
     chain = b"".join(pem.bytes() for pem in cert.cert_chain_pems)
     gateway = FakeGateway(
         {GATEWAY_BEARER},
@@ -220,7 +220,7 @@ def test_tls_to_the_gateway_with_a_ca_file(tmp_path: Path, backend: FakeBackend)
     secrets.write_text(json.dumps({"authToken": GATEWAY_BEARER}))
     replica = Replica(
         tmp_path,
-        f"--worker-auth-endpoint=https://localhost:{gateway.port}",
+        f"--worker-auth-endpoint=https://127.0.0.1:{gateway.port}",
         f"--worker-auth-ca-file={ca_file}",
         f"--secrets-path={secrets}",
     )
@@ -252,12 +252,12 @@ def test_a_gateway_that_is_down_at_start_up_exits_1(tmp_path: Path) -> None:
 
 
 def test_a_gateway_with_an_unknown_ca_fails_the_start_up_check(tmp_path: Path) -> None:
-    cert = trustme.CA().issue_cert("localhost")
+    cert = trustme.CA().issue_cert("127.0.0.1")
     chain = b"".join(pem.bytes() for pem in cert.cert_chain_pems)
     gateway = FakeGateway(set(), {}, tls=(cert.private_key_pem.bytes(), chain))
     other_ca = tmp_path / "other-ca.pem"
     trustme.CA().cert_pem.write_to_path(str(other_ca))
-    endpoint = f"https://localhost:{gateway.port}"
+    endpoint = f"https://127.0.0.1:{gateway.port}"
     try:
         replica = Replica(
             tmp_path, f"--worker-auth-endpoint={endpoint}", f"--worker-auth-ca-file={other_ca}"

@@ -154,7 +154,7 @@ def ca() -> trustme.CA:
 
 
 async def test_tls_with_a_ca_file(ca: trustme.CA, tmp_path: Path) -> None:
-    cert = ca.issue_cert("localhost")
+    cert = ca.issue_cert("127.0.0.1")
     gateway = _gateway(
         GATEWAY_BEARER,
         tls=(cert.private_key_pem.bytes(), b"".join(b.bytes() for b in cert.cert_chain_pems)),
@@ -162,12 +162,12 @@ async def test_tls_with_a_ca_file(ca: trustme.CA, tmp_path: Path) -> None:
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     authenticator = WorkerAuthenticator(
-        f"localhost:{gateway.port}", _bearer(tmp_path), ca_file=ca_file
+        f"127.0.0.1:{gateway.port}", _bearer(tmp_path), ca_file=ca_file
     )
     other_ca = tmp_path / "other-ca.pem"
     trustme.CA().cert_pem.write_to_path(str(other_ca))
-    untrusting = WorkerAuthenticator(f"https://localhost:{gateway.port}", ca_file=other_ca)
-    plaintext = WorkerAuthenticator(f"localhost:{gateway.port}", _bearer(tmp_path))
+    untrusting = WorkerAuthenticator(f"https://127.0.0.1:{gateway.port}", ca_file=other_ca)
+    plaintext = WorkerAuthenticator(f"127.0.0.1:{gateway.port}", _bearer(tmp_path))
     try:
         assert authenticator.gateway.tls
         await authenticator.check()
@@ -175,7 +175,7 @@ async def test_tls_with_a_ca_file(ca: trustme.CA, tmp_path: Path) -> None:
         with pytest.raises(WorkerAuthUnavailable) as caught:
             await untrusting.check(connect_timeout=1)
         assert str(caught.value).startswith(
-            f"failed to connect to worker auth endpoint https://localhost:{gateway.port}: "
+            f"failed to connect to worker auth endpoint https://127.0.0.1:{gateway.port}: "
         )
         assert "CERTIFICATE_VERIFY_FAILED" in str(caught.value)
         with pytest.raises(WorkerAuthUnavailable):
@@ -208,7 +208,7 @@ async def test_nothing_secret_is_logged_at_debug(gateway: FakeGateway, tmp_path:
 async def test_https_trusts_the_system_store(
     ca: trustme.CA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cert = ca.issue_cert("localhost")
+    cert = ca.issue_cert("127.0.0.1")
     gateway = _gateway(
         GATEWAY_BEARER,
         tls=(cert.private_key_pem.bytes(), b"".join(b.bytes() for b in cert.cert_chain_pems)),
@@ -216,7 +216,7 @@ async def test_https_trusts_the_system_store(
     store = tmp_path / "system-store.pem"
     ca.cert_pem.write_to_path(str(store))
     monkeypatch.setenv("SSL_CERT_FILE", str(store))  # OpenSSL's way to point at the store
-    authenticator = WorkerAuthenticator(f"https://localhost:{gateway.port}", _bearer(tmp_path))
+    authenticator = WorkerAuthenticator(f"https://127.0.0.1:{gateway.port}", _bearer(tmp_path))
     try:
         await authenticator.check()
         assert await authenticator.authenticate(WORKER_TOKEN) == "tenant-a"
