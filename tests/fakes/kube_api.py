@@ -22,6 +22,8 @@ from typing import Any, Literal
 import httpx
 import trio
 
+from stargate.asgi import answer_lifespan
+
 NS = "models"
 TOKEN = "s3cr3t-token"
 ISVC = "/apis/inference.llmkube.dev/v1alpha1/namespaces/models/inferenceservices"
@@ -189,13 +191,8 @@ class FakeApiServer:
         send: Callable[[Message], Awaitable[None]],
     ) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         body = b""
         while True:
             message = await receive()

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from stargate.accept_queue import queued_connections, stop_new_connections
-from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.config import ListenAddress
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 
@@ -105,9 +105,7 @@ async def test_stop_returns_once_the_accept_loop_has_taken_the_queue() -> None:
 
 async def _app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
     if scope["type"] == "lifespan":
-        while (await receive())["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await answer_lifespan(receive, send)
         return
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"served"})

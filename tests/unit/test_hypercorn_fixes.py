@@ -29,6 +29,7 @@ from stargate.asgi import (
     ASGIScope,
     ASGISend,
     DisconnectHook,
+    answer_lifespan,
     disconnect_hook,
 )
 from stargate.config import ListenAddress
@@ -187,12 +188,6 @@ async def _served(app: object) -> AsyncIterator[int]:
             stop.set()
 
 
-async def _lifespan(receive: ASGIReceive, send: ASGISend) -> None:
-    while (await receive())["type"] == "lifespan.startup":
-        await send({"type": "lifespan.startup.complete"})
-    await send({"type": "lifespan.shutdown.complete"})
-
-
 REQUEST = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
 
 
@@ -203,7 +198,7 @@ async def test_a_client_leaving_fires_the_hook_without_a_task_in_receive() -> No
 
     async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         hook = disconnect_hook(scope)
         hooks.append(hook)
@@ -236,7 +231,7 @@ async def test_the_end_of_a_complete_exchange_does_not_fire_the_hook() -> None:
 
     async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         hook = disconnect_hook(scope)
         assert hook is not None
@@ -278,7 +273,7 @@ async def _answer_in_two_steps(body_follows: bool) -> tuple[bytes, bytes]:
 
     async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         await receive()
         start = {

@@ -20,13 +20,13 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ListenAddress, ProxyConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.forwarder import Forwarded
 from stargate.proxy.upstream import UpstreamProtocolError
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
+from tests.fakes.asgi_apps import not_found
 from tests.fakes.logs import captured_logs
 
 CHUNKS = [b"data: one\n\n", b"data: two\n\n"]
@@ -71,23 +71,13 @@ class _Forwarder:
         return "m", ""
 
 
-async def _fallback(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
-
-
 @asynccontextmanager
 async def _served() -> AsyncIterator[str]:
     app = ProxyApp(
         _Forwarder(),  # type: ignore[arg-type]
         ProxyConfig(),
         ProxyMetrics.create(CollectorRegistry(), "test_"),
-        _fallback,
+        not_found,
     )
     sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -37,7 +37,7 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from stargate.asgi import ASGIApp, ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import ASGIApp
 from stargate.config import ListenAddress, ProxyConfig
 from stargate.load_balancing.config import default_lb_config
 from stargate.metrics import Metrics
@@ -46,6 +46,7 @@ from stargate.proxy.forwarder import Forwarder
 from stargate.proxy.upstream import ConnectionPool
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
+from tests.fakes.asgi_apps import not_found
 
 BODY_BYTES = 10 * 2**20
 MESSAGES = 1_000
@@ -114,16 +115,6 @@ class CountingBackend:
             await trio.aclose_forcefully(stream)
 
 
-async def _not_found(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
-
-
 @asynccontextmanager
 async def served_replica(
     accept_openai_requests: bool,
@@ -144,7 +135,7 @@ async def served_replica(
         config = ProxyConfig(accept_openai_requests=accept_openai_requests)
         async with ConnectionPool() as pool:
             forwarder = Forwarder(routing, pool, config, default_lb_config(), metrics.proxy)
-            app = ProxyApp(forwarder, config, metrics.proxy, cast(ASGIApp, _not_found))
+            app = ProxyApp(forwarder, config, metrics.proxy, cast(ASGIApp, not_found))
             sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
             port = sock.getsockname()[1]
             stop = trio.Event()

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from stargate.activator import PoolSpec
 from stargate.activator.testing import FakeOwnership, Harness, running_activator
-from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
+from stargate.asgi import ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.config import ListenAddress, ProxyConfig
 from stargate.load_balancing.config import LbConfig
 from stargate.metrics import ProxyMetrics
@@ -110,9 +110,7 @@ class Owner:
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         body = b""
         while True:

@@ -27,7 +27,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
-from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ListenAddress, ProxyConfig
 from stargate.load_balancing.config import LbConfig
 from stargate.metrics import ProxyMetrics
@@ -37,6 +36,7 @@ from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 from stargate.tracing.request import ATTEMPT_SPAN, ROOT_SPAN, RequestTracer
+from tests.fakes.asgi_apps import not_found
 from tests.unit.proxy.test_upstream import Server, ServerConn, start_server
 
 MODEL = "m"
@@ -92,16 +92,6 @@ def _closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-async def _fallback(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
-
-
 @asynccontextmanager
 async def _proxy(
     backends: Sequence[tuple[str, str]], tracer: RequestTracer | None
@@ -115,7 +105,7 @@ async def _proxy(
     pool = ConnectionPool(UpstreamConfig(connect_timeout=2, response_head_timeout=5))
     metrics = ProxyMetrics.create(CollectorRegistry(), "test_")
     forwarder = Forwarder(routing, pool, ProxyConfig(), LbConfig(), metrics, capacity=pool)
-    app = ProxyApp(forwarder, ProxyConfig(), metrics, _fallback, tracer=tracer)
+    app = ProxyApp(forwarder, ProxyConfig(), metrics, not_found, tracer=tracer)
     sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
     port = sock.getsockname()[1]
     stop = trio.Event()
