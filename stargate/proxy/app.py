@@ -215,7 +215,7 @@ class ProxyApp:
             with trio.CancelScope() as gone:
                 hook.on_disconnect(gone.cancel)
                 try:
-                    await self._exchange(send, request, spec, body, span, scope)
+                    await self._exchange(send, scope, request, spec, body, span)
                 finally:
                     hook.on_disconnect(None)
             if gone.cancelled_caught:
@@ -224,7 +224,7 @@ class ProxyApp:
         completed = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._exchange(send, request, spec, body, span, scope)
+            await self._exchange(send, scope, request, spec, body, span)
             completed = True
             nursery.cancel_scope.cancel()
         if not completed:
@@ -233,11 +233,11 @@ class ProxyApp:
     async def _exchange(
         self,
         send: ASGISend,
+        scope: ASGIScope,
         request: ProxyRequest,
         spec: AlgorithmSpec,
         body: bytes | bytearray,
-        span: RequestSpan | None = None,
-        scope: ASGIScope | None = None,
+        span: RequestSpan | None,
     ) -> None:
         """Hold a pool slot if the model is pooled, forward, and answer; hand the request to the
         pool's owner when another replica owns the pool."""
@@ -256,11 +256,7 @@ class ProxyApp:
             await self._answer(send, request, _pool_error(error))
             return
         try:
-            outcome = await (
-                self._forwarder.forward(request, spec, body)
-                if span is None
-                else self._forwarder.forward(request, spec, body, span)
-            )
+            outcome = await self._forwarder.forward(request, spec, body, span)
             if isinstance(outcome, LocalError):
                 await self._answer(send, request, outcome.error)
             else:
@@ -274,7 +270,7 @@ class ProxyApp:
         send: ASGISend,
         request: ProxyRequest,
         body: bytes | bytearray,
-        scope: ASGIScope | None,
+        scope: ASGIScope,
         elsewhere: PoolOwnedElsewhere,
     ) -> Grant | None:
         """Relay to the owner (None: answered), or a grant if ownership came here meanwhile.
@@ -282,8 +278,7 @@ class ProxyApp:
         A request that was already relayed once is never relayed again (no loop): its sender
         believed this replica owned the pool, so ownership moved, and the client retries
         (docs/pool-ownership.md, "Relaying requests to the owner")."""
-        headers = () if scope is None else scope["headers"]
-        if is_relayed(headers):
+        if is_relayed(scope["headers"]):
             if self._activator is not None:
                 self._activator.count_relayed(elsewhere.pool, "rejected")
             raise PoolOwnerMoved(
@@ -291,7 +286,7 @@ class ProxyApp:
                 pool=elsewhere.pool,
                 member=elsewhere.member,
             )
-        if self._relay is None or scope is None:
+        if self._relay is None:
             raise elsewhere
         return await self._relay.relay(
             send,

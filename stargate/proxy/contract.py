@@ -34,6 +34,7 @@ __all__ = [
     "HOP_BY_HOP",
     "ContractError",
     "ProxyRequest",
+    "connection_options",
     "estimate_input_tokens",
     "filter_request_headers",
     "filter_response_headers",
@@ -238,7 +239,7 @@ def estimate_input_tokens(body: bytes | bytearray) -> int:
     return max(1, len(body) // 4)
 
 
-def _connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names listed in `Connection` (RFC 9110 §7.6.1): hop-by-hop, never forwarded."""
     names: set[bytes] = set()
     for key, value in headers:
@@ -253,7 +254,7 @@ def filter_request_headers(
     """The client's headers minus the hop-by-hop and internal ones; `drop` names more to leave
     out. Of `x-model` and `x-request-id` only the first value is kept (the one routed by)."""
     headers = list(headers)
-    dropped = _DROPPED | _connection_options(headers) | frozenset(drop)
+    dropped = _DROPPED | connection_options(headers) | frozenset(drop)
     kept: Headers = []
     seen: set[bytes] = set()
     for key, value in headers:
@@ -269,7 +270,7 @@ def filter_request_headers(
 
 def filter_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     headers = list(headers)
-    dropped = _DROPPED_RESPONSE | _connection_options(headers)
+    dropped = _DROPPED_RESPONSE | connection_options(headers)
     return [(key, value) for key, value in headers if key not in dropped]
 
 

@@ -49,7 +49,14 @@ from stargate.activator import (
 )
 from stargate.asgi import ASGIScope, ASGISend
 from stargate.logs import LoggedError
-from stargate.proxy.contract import HOP_BY_HOP, Headers, ProxyRequest, first_header
+from stargate.proxy.contract import (
+    HOP_BY_HOP,
+    Headers,
+    ProxyRequest,
+    connection_options,
+    first_header,
+    with_forwarding,
+)
 from stargate.proxy.response_body import BodyBroke, send_response
 from stargate.proxy.upstream import ConnectionPool, UpstreamError, UpstreamResponse
 
@@ -96,14 +103,6 @@ def is_relayed(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     return first_header(headers, RELAYED_HEADER) is not None
 
 
-def _connection_options(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
-    names: set[bytes] = set()
-    for key, value in headers:
-        if key == b"connection":
-            names.update(n.strip().lower() for n in value.split(b",") if n.strip())
-    return names
-
-
 def relay_request_headers(
     headers: Iterable[tuple[bytes, bytes]],
     pool: str,
@@ -114,33 +113,16 @@ def relay_request_headers(
     marker, plus the client's address in `X-Forwarded-For` (and `X-Forwarded-Proto` unless a
     proxy in front set it) and the marker."""
     received = list(headers)
-    dropped = HOP_BY_HOP | _connection_options(received) | {RELAYED_HEADER}
-    out: Headers = []
-    chain: list[bytes] = []
-    proto = False
-    for key, value in received:
-        if key in dropped:
-            continue
-        if key == b"x-forwarded-for":
-            chain.append(value)
-            continue
-        proto = proto or key == b"x-forwarded-proto"
-        out.append((key, value))
-    if client:
-        chain.append(client[0].encode())
-    if chain:
-        out.append((b"x-forwarded-for", b", ".join(chain)))
-    if not proto:
-        out.append((b"x-forwarded-proto", scheme.encode()))
-    out.append((RELAYED_HEADER, pool.encode()))
-    return out
+    dropped = HOP_BY_HOP | connection_options(received) | {RELAYED_HEADER}
+    kept = [(key, value) for key, value in received if key not in dropped]
+    return [*with_forwarding(kept, client, scheme), (RELAYED_HEADER, pool.encode())]
 
 
 def relay_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     """The owner's response headers as it sent them, minus hop-by-hop ones and the two Hypercorn
     writes itself."""
     received = list(headers)
-    dropped = _DROPPED_RESPONSE | _connection_options(received)
+    dropped = _DROPPED_RESPONSE | connection_options(received)
     return [(key, value) for key, value in received if key not in dropped]
 
 

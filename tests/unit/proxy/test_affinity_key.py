@@ -172,7 +172,9 @@ class _Forwarder:
         if self.require_key and request.cache_affinity_key is None:
             raise ContractError(400, message="requires an x-cache-affinity-key header")
 
-    async def forward(self, request: ProxyRequest, spec: object, body: bytes) -> LocalError:
+    async def forward(
+        self, request: ProxyRequest, spec: object, body: bytes, trace: object = None
+    ) -> LocalError:
         self.forwarded.append(request)
         return LocalError(ContractError(503))
 

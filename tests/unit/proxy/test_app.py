@@ -61,7 +61,9 @@ class _Forwarder:
     def resolve_algorithm(self, request: object) -> None:
         return None
 
-    async def forward(self, request: object, spec: object, body: bytes) -> Forwarded:
+    async def forward(
+        self, request: object, spec: object, body: bytes, trace: object = None
+    ) -> Forwarded:
         backend = SimpleNamespace(
             inference_server_id="backend-7", url="http://127.0.0.1:9/", cluster_id="c"
         )
