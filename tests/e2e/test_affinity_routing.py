@@ -50,11 +50,15 @@ STATS = {
 }
 
 
-def _replica(tmp_path: Path, engines: list[MockBackendProcess]) -> ProxyReplica:
+def start_affinity_replica(
+    tmp_path: Path, engines: list[MockBackendProcess], *extra: str
+) -> ProxyReplica:
+    """A replica with `LB_CONFIG` and the four backends (two per engine); `extra` flags too
+    (tests/e2e/test_derived_affinity.py)."""
     tmp_path.mkdir(exist_ok=True)
     config = tmp_path / "lb.json"
     config.write_text(json.dumps(LB_CONFIG))
-    replica = start_proxy_replica(tmp_path, "--lb-config-path", str(config))
+    replica = start_proxy_replica(tmp_path, "--lb-config-path", str(config), *extra)
     for index, server_id in enumerate(BACKENDS):
         replica.register(server_id, engines[index % 2].url, [MODEL], cluster_id=server_id, **STATS)
     return replica
@@ -70,8 +74,8 @@ def _served_by(replica: ProxyReplica, key: str | None, **extra: str) -> httpx.Re
 def test_every_replica_sends_a_key_to_the_same_backend(
     tmp_path: Path, engines: list[MockBackendProcess]
 ) -> None:
-    first = _replica(tmp_path / "one", engines)
-    second = _replica(tmp_path / "two", engines)
+    first = start_affinity_replica(tmp_path / "one", engines)
+    second = start_affinity_replica(tmp_path / "two", engines)
     try:
         keys = [f"conversation-{index}" for index in range(24)]
         chosen = []
@@ -92,7 +96,7 @@ def test_every_replica_sends_a_key_to_the_same_backend(
 def test_affinity_key_contract_and_kv_room_fallback(
     tmp_path: Path, engines: list[MockBackendProcess]
 ) -> None:
-    replica = _replica(tmp_path, engines)
+    replica = start_affinity_replica(tmp_path, engines)
     try:
         # wait-and-widen requires a key here: 400 without one, 200 (one stable backend) with.
         method = {"x-routing-method": "wait_and_widen"}

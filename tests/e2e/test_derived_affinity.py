@@ -8,7 +8,6 @@ satisfies `require_cache_affinity_key`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,27 +15,8 @@ import httpx
 import pytest
 
 from tests.e2e.processes import MockBackendProcess, launch_mock_backend
-from tests.e2e.test_proxy import ProxyReplica, start_proxy_replica
-
-MODEL = "model-a"
-BACKENDS = ("engine-a", "engine-b", "engine-c", "engine-d")
-LB_CONFIG = {
-    "default": "pulsar",
-    "request_algorithms": {
-        "wait-and-widen": {
-            "algorithm": "wait-and-widen",
-            "seed": "fleet",
-            "require_cache_affinity_key": True,
-            "cache_affinity_backend_selection_count": 1,
-        }
-    },
-    "models": {MODEL: {"algorithm": "pulsar", "seed": "fleet"}},
-}
-STATS = {
-    "last_mean_input_tps": 1000.0,
-    "kv_cache_capacity_tokens": 100_000,
-    "kv_cache_free_tokens": 50_000,
-}
+from tests.e2e.test_affinity_routing import MODEL, start_affinity_replica
+from tests.e2e.test_proxy import ProxyReplica
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +29,13 @@ def engines() -> Iterator[list[MockBackendProcess]]:
 
 @pytest.fixture
 def replica(tmp_path: Path, engines: list[MockBackendProcess]) -> Iterator[ProxyReplica]:
-    config = tmp_path / "lb.json"
-    config.write_text(json.dumps(LB_CONFIG))
-    handle = start_proxy_replica(
+    handle = start_affinity_replica(
         tmp_path,
-        "--lb-config-path",
-        str(config),
+        engines,
         "--accept-openai-requests",
         "--derive-affinity-key",
         "--derive-affinity-key-bytes=256",
     )
-    for index, server_id in enumerate(BACKENDS):
-        handle.register(server_id, engines[index % 2].url, [MODEL], cluster_id=server_id, **STATS)
     yield handle
     handle.close()
 
