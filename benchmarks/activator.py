@@ -55,9 +55,9 @@ from benchmarks.common import (
     log_tail,
     md_table,
     metric_sum,
+    mock_backend_command,
     num,
     percentile,
-    server_python,
     start_replica,
 )
 
@@ -86,18 +86,7 @@ def settings_for(suite: Suite) -> Settings:
 
 
 def member_command(model: str) -> list[str]:
-    return [
-        server_python(),
-        "-m",
-        "stargate",
-        "mock-backend",
-        "--port",
-        "{port}",
-        "--model",
-        model,
-        "--log-level",
-        "warning",
-    ]
+    return mock_backend_command(model, port="{port}")
 
 
 def write_pool_file(path: Path) -> Path:

@@ -49,9 +49,9 @@ from benchmarks.common import (
     Profiler,
     Suite,
     md_table,
+    mock_backend_command,
     num,
     percentile,
-    server_python,
     start_printing_server,
     start_replica,
     wait_until,
@@ -479,14 +479,7 @@ def _start_engines(procs: Processes, log_dir: Path, blocks: int, deadline: Deadl
     for i in range(ENGINES):
         _, port = start_printing_server(
             procs,
-            [
-                server_python(),
-                "-m",
-                "stargate",
-                "mock-backend",
-                "--port",
-                "0",
-                "--model",
+            mock_backend_command(
                 MODEL,
                 "--ttft-ms",
                 str(TTFT_MS),
@@ -500,9 +493,7 @@ def _start_engines(procs: Processes, log_dir: Path, blocks: int, deadline: Deadl
                 str(SPEEDUP),
                 "--prefix-cache-block-chars",
                 str(BLOCK_CHARS),
-                "--log-level",
-                "warning",
-            ],
+            ),
             log_dir / f"engine-{i}.log",
             f"mock engine {i}",
             deadline.left(30),

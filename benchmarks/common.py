@@ -482,6 +482,24 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
+def mock_backend_command(model: str, *flags: str, port: str = "0") -> list[str]:
+    """`stargate mock-backend` serving `model` on `port` (0: it picks one and prints it; the
+    pool file's `{port}` placeholder also works), logging warnings only, with `flags`."""
+    return [
+        server_python(),
+        "-m",
+        "stargate",
+        "mock-backend",
+        "--port",
+        port,
+        "--model",
+        model,
+        *flags,
+        "--log-level",
+        "warning",
+    ]
+
+
 def start_replica(
     procs: Processes,
     log_dir: Path,
