@@ -99,7 +99,7 @@ async def http_health_probe(
     fail the next request before any response, with a reset or a close, when the backend's FIN
     crosses the request on the wire. That says nothing about the backend, so `get` sends such a
     request once more, within the same `probe_timeout`, as the upstream pool does for proxied
-    requests (stargate/proxy/upstream/connection_pool.py). Only a *reused* connection qualifies:
+    requests (stargate/upstream/connection_pool.py). Only a *reused* connection qualifies:
     a fresh connection failing that way is a failed probe, and so is a retry that fails.
     """
     if not paths:

@@ -113,7 +113,6 @@ from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import limit_answer
 from stargate.proxy.forwarder import UNREGISTERED, Forwarder
 from stargate.proxy.owner_relay import OwnerRelay
-from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.readiness import Readiness
 from stargate.routing import Registration, RoutingState, RoutingTargetKey
 from stargate.secrets_file import SecretsFile, SecretsFileError, tracing_access_token
@@ -128,6 +127,7 @@ from stargate.serving import (
     watch_signals,
 )
 from stargate.tls import ServedIdentity
+from stargate.upstream import ConnectionPool, UpstreamConfig
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from stargate.control_plane.probe_clock import ProbeClock
 from stargate.health_probe import HttpGet, ProbeFailed
-from stargate.proxy.upstream import ConnectionPool, UpstreamConfig, UpstreamError
+from stargate.upstream import ConnectionPool, UpstreamConfig, UpstreamError
 
 __all__ = [
     "FAILURES_TO_UNROUTE",

@@ -68,19 +68,19 @@ from stargate.proxy.retry import (
     decide_transport_failure,
     record,
 )
-from stargate.proxy.upstream import (
-    ConnectError,
-    ConnectionPool,
-    ConnectionPoolTimeout,
-    UpstreamError,
-    UpstreamResponse,
-)
 from stargate.routing import (
     BackendSnapshot,
     ClusterSnapshot,
     Registration,
     RoutingState,
     RoutingTargetKey,
+)
+from stargate.upstream import (
+    ConnectError,
+    ConnectionPool,
+    ConnectionPoolTimeout,
+    UpstreamError,
+    UpstreamResponse,
 )
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)

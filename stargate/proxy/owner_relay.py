@@ -58,7 +58,7 @@ from stargate.proxy.contract import (
     with_forwarding,
 )
 from stargate.proxy.response_body import BodyBroke, send_response
-from stargate.proxy.upstream import ConnectionPool, UpstreamError, UpstreamResponse
+from stargate.upstream import ConnectionPool, UpstreamError, UpstreamResponse
 
 __all__ = [
     "RELAYED_HEADER",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from stargate.asgi import BODY_FOLLOWS, ASGISend
-from stargate.proxy.upstream import UpstreamError, UpstreamResponse
+from stargate.upstream import UpstreamError, UpstreamResponse
 
 __all__ = ["BodyBroke", "send_response"]
 

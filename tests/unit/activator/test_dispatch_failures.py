@@ -21,13 +21,6 @@ from stargate.load_balancing.config import LbConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import ProxyRequest
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
-from stargate.proxy.upstream import (
-    ConnectError,
-    ConnectionPoolTimeout,
-    ResponseHeadTimeout,
-    UpstreamError,
-    UpstreamProtocolError,
-)
 from stargate.routing import (
     BackendRoute,
     ModelStats,
@@ -35,6 +28,13 @@ from stargate.routing import (
     RegistrationIdentity,
     RoutingState,
     RoutingTargetKey,
+)
+from stargate.upstream import (
+    ConnectError,
+    ConnectionPoolTimeout,
+    ResponseHeadTimeout,
+    UpstreamError,
+    UpstreamProtocolError,
 )
 
 POOL = "gpu0"

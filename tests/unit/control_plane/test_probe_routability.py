@@ -25,7 +25,6 @@ from stargate.metrics import ProxyMetrics
 from stargate.protocol import stargate_pb2 as pb
 from stargate.proxy.contract import ProxyRequest
 from stargate.proxy.forwarder import Forwarded, Forwarder, HeadWaits, LocalError
-from stargate.proxy.upstream import ConnectionPool
 from stargate.routing import (
     BackendRoute,
     ModelStats,
@@ -34,6 +33,7 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+from stargate.upstream import ConnectionPool
 from tests.fakes.pylon import INACTIVE, registration
 
 M = RoutingTargetKey(None, "m")

@@ -24,8 +24,8 @@ from stargate.config import ListenAddress, ProxyConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.forwarder import Forwarded
-from stargate.proxy.upstream import UpstreamProtocolError
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
+from stargate.upstream import UpstreamProtocolError
 from tests.fakes.asgi_apps import not_found
 from tests.fakes.logs import captured_logs
 

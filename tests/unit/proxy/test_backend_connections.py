@@ -19,8 +19,6 @@ from stargate.load_balancing.config import AlgorithmSpec, LbConfig
 from stargate.metrics import Metrics, ProxyMetrics
 from stargate.proxy.contract import ProxyRequest
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
-from stargate.proxy.upstream import ConnectionPool, UpstreamConfig, UpstreamResponse
-from stargate.proxy.upstream.connection_pool import OriginLoad
 from stargate.routing import (
     BackendRoute,
     ModelStats,
@@ -28,6 +26,8 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+from stargate.upstream import ConnectionPool, UpstreamConfig, UpstreamResponse
+from stargate.upstream.connection_pool import OriginLoad
 from tests.unit.proxy.test_upstream import Server, ServerConn, echo, start_server
 
 MODEL = "m"

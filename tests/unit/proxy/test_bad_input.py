@@ -63,7 +63,6 @@ from stargate.metrics import Metrics
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import ENDPOINTS, ContractError
 from stargate.proxy.forwarder import Forwarder
-from stargate.proxy.upstream import ConnectionPool
 from stargate.readiness import Readiness
 from stargate.routing import (
     BackendRoute,
@@ -72,6 +71,7 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+from stargate.upstream import ConnectionPool
 
 Headers = list[tuple[bytes, bytes]]
 Transport = Literal["h11", "h2"]

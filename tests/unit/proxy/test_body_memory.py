@@ -43,9 +43,9 @@ from stargate.load_balancing.config import default_lb_config
 from stargate.metrics import Metrics
 from stargate.proxy.app import ProxyApp, _BodyBuffer
 from stargate.proxy.forwarder import Forwarder
-from stargate.proxy.upstream import ConnectionPool
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
+from stargate.upstream import ConnectionPool
 from tests.fakes.asgi_apps import not_found
 
 BODY_BYTES = 10 * 2**20

@@ -34,9 +34,9 @@ from stargate.proxy.owner_relay import (
     relay_request_headers,
     relay_response_headers,
 )
-from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.routing import RoutingState
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
+from stargate.upstream import ConnectionPool, UpstreamConfig
 
 POOL = "gpu0"
 SPEC = PoolSpec(POOL, ("a", "b"), swap_budget=60.0, hold_budget=3.0)

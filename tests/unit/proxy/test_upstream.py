@@ -19,7 +19,7 @@ import h11
 import pytest
 import trio
 
-from stargate.proxy.upstream import (
+from stargate.upstream import (
     ConnectError,
     ConnectionPool,
     ConnectionPoolTimeout,
@@ -30,7 +30,7 @@ from stargate.proxy.upstream import (
     UpstreamResponse,
     make_ssl_context,
 )
-from stargate.proxy.upstream.connection import build_request
+from stargate.upstream.connection import build_request
 
 # --- test server ------------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ from stargate.load_balancing.config import AlgorithmSpec, LbConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import ProxyRequest
 from stargate.proxy.forwarder import Forwarded, Forwarder
-from stargate.proxy.upstream import ConnectError, ConnectionPool
 from stargate.routing import (
     BackendRoute,
     ClusterSnapshot,
@@ -27,6 +26,7 @@ from stargate.routing import (
 )
 from stargate.routing.state import Reservation
 from stargate.routing.stats import U64_MAX, apply_reservations, reservation_delta_ms
+from stargate.upstream import ConnectError, ConnectionPool
 
 TARGET = RoutingTargetKey(None, "m")
 

@@ -32,10 +32,10 @@ from stargate.load_balancing.config import LbConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.forwarder import Forwarder
-from stargate.proxy.upstream import ConnectionPool, UpstreamConfig
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 from stargate.tracing.request import ATTEMPT_SPAN, ROOT_SPAN, RequestTracer
+from stargate.upstream import ConnectionPool, UpstreamConfig
 from tests.fakes.asgi_apps import not_found
 from tests.unit.proxy.test_upstream import Server, ServerConn, start_server
 

@@ -42,10 +42,10 @@ import h11
 import trio
 from h11 import _abnf as abnf
 
-from stargate.proxy.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
+from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
 
 if TYPE_CHECKING:
-    from stargate.proxy.upstream.connection_pool import Origin
+    from stargate.upstream.connection_pool import Origin
 
 __all__ = ["Body", "Connection", "Release", "UpstreamResponse", "build_request"]
 

@@ -1,4 +1,5 @@
-"""A keep-alive HTTP/1.1 client pool on trio sockets (h11), for proxying requests to backends.
+"""A keep-alive HTTP/1.1 client pool on trio sockets (h11): the replica forwards to backends
+with it, the Pylon to its engine.
 
 Not httpx, whose per-request CPU the proxy cannot afford (docs/decisions.md, D10). Laid out like
 httpcore, one concern per file:
@@ -14,10 +15,10 @@ httpcore, one concern per file:
 Import from here; the submodules' other names are internal.
 """
 
-from stargate.proxy.upstream.config import UpstreamConfig, make_ssl_context
-from stargate.proxy.upstream.connection import UpstreamResponse
-from stargate.proxy.upstream.connection_pool import ConnectionPool, ConnectionPoolStats
-from stargate.proxy.upstream.errors import (
+from stargate.upstream.config import UpstreamConfig, make_ssl_context
+from stargate.upstream.connection import UpstreamResponse
+from stargate.upstream.connection_pool import ConnectionPool, ConnectionPoolStats
+from stargate.upstream.errors import (
     ConnectError,
     ConnectionPoolTimeout,
     ResponseHeadTimeout,

@@ -41,15 +41,15 @@ from urllib.parse import SplitResult, urlsplit
 import h11
 import trio
 
-from stargate.proxy.upstream.config import UpstreamConfig, make_ssl_context
-from stargate.proxy.upstream.connection import (
+from stargate.upstream.config import UpstreamConfig, make_ssl_context
+from stargate.upstream.connection import (
     Body,
     Connection,
     UpstreamResponse,
     _DeadBeforeResponse,
     build_request,
 )
-from stargate.proxy.upstream.errors import (
+from stargate.upstream.errors import (
     ConnectError,
     ConnectionPoolTimeout,
     UpstreamProtocolError,
