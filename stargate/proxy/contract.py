@@ -27,12 +27,20 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from stargate.asgi import visible_query
+from stargate.http_headers import (
+    HOP_BY_HOP,
+    Headers,
+    connection_options,
+    first_header,
+    parse_unsigned,
+)
 from stargate.proxy.json_scan import top_level_string
 
 __all__ = [
     "ENDPOINTS",
     "HOP_BY_HOP",
     "ContractError",
+    "Headers",
     "ProxyRequest",
     "connection_options",
     "estimate_input_tokens",
@@ -57,21 +65,6 @@ U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 ROUTING_WAIT_CAP_MS = 60_000
 
-# Headers that describe one connection, never the request (RFC 9110 §7.6.1; `http2-settings`,
-# RFC 9113 §3.2.1), and `host`, which the upstream connection sets.
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"proxy-connection",
-        b"keep-alive",
-        b"transfer-encoding",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"http2-settings",
-        b"host",
-    }
-)
 # Dropped both ways (docs/data-plane.md, Header filtering): hop-by-hop headers, then
 # Stargate-internal ones.
 _DROPPED = HOP_BY_HOP | frozenset(
@@ -96,8 +89,6 @@ _DROPPED_RESPONSE = _DROPPED | {
     b"x-inference-server-url",
     b"x-stargate-cluster-id",
 }
-
-Headers = list[tuple[bytes, bytes]]
 
 
 class ContractError(Exception):
@@ -189,13 +180,6 @@ class ProxyRequest:
     openai_form: bool = False  # model from the body: answers are OpenAI-shaped
 
 
-def first_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
-
-
 def _visible_ascii(raw: bytes | None) -> str | None:
     """A string header: trimmed; absent, empty or not visible ASCII counts as absent."""
     if raw is None:
@@ -204,23 +188,6 @@ def _visible_ascii(raw: bytes | None) -> str | None:
         return None
     text = raw.decode("ascii").strip()
     return text or None
-
-
-def parse_unsigned(raw: bytes, maximum: int) -> int | None:
-    """Rust-style unsigned parse: trimmed ASCII digits, optional leading `+`, at most `maximum`."""
-    text = raw.strip(b" \t")
-    if text.startswith(b"+"):
-        text = text[1:]
-    if not text or not text.isdigit() or not text.isascii():
-        return None
-    # More digits than the maximum has (leading zeros aside) is out of range. Checked before
-    # `int()`, which raises ValueError past 4300 digits (Python's conversion limit): a 500 with a
-    # traceback for `x-input-tokens: 999...` (found by tests/unit/proxy/test_bad_input.py).
-    digits = text.lstrip(b"0")
-    if len(digits) > len(str(maximum)):
-        return None
-    value = int(digits or b"0")
-    return value if value <= maximum else None
 
 
 def _numeric(headers: Headers, name: bytes, maximum: int) -> int | None:
@@ -237,15 +204,6 @@ def _numeric(headers: Headers, name: bytes, maximum: int) -> int | None:
 def estimate_input_tokens(body: bytes | bytearray) -> int:
     """A rough token count for clients that send none: about four bytes per token."""
     return max(1, len(body) // 4)
-
-
-def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Header names listed in `Connection` (RFC 9110 §7.6.1): hop-by-hop, never forwarded."""
-    names: set[bytes] = set()
-    for key, value in headers:
-        if key == b"connection":
-            names.update(n.strip().lower() for n in value.split(b",") if n.strip())
-    return frozenset(names)
 
 
 def filter_request_headers(
