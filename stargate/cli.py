@@ -459,6 +459,17 @@ SERVE_SECTIONS = {
     "x-request-id is generated and returned, x-input-tokens is estimated.",
 )
 @option(
+    "--unmeasured-backends",
+    envvar="STARGATE_UNMEASURED_BACKENDS",
+    type=click.Choice(["estimate", "exclude"]),
+    default="estimate",
+    help="How load balancers see a backend whose Pylon has published no input TPS yet (a "
+    "fresh engine: the Pylon publishes it after 5 completed requests or a calibration). "
+    "estimate: as the mean of the model's measured backends (or all alike when none is), so "
+    "every algorithm can route by the queue counts from the first request. exclude: the Rust "
+    "rule, no capacity (pulsar and wait-and-widen skip it; with none measured they answer 503).",
+)
+@option(
     "--derive-affinity-key",
     envvar="STARGATE_DERIVE_AFFINITY_KEY",
     is_flag=True,
@@ -690,6 +701,7 @@ def serve(
     proxy_connect_timeout_ms: int,
     proxy_max_connections_per_backend: int,
     accept_openai_requests: bool,
+    unmeasured_backends: str,
     derive_affinity_key: bool,
     derive_affinity_key_bytes: int,
     lb_config_path: Path | None,
@@ -774,6 +786,7 @@ def serve(
                 connect_timeout_ms=proxy_connect_timeout_ms,
                 max_connections_per_backend=proxy_max_connections_per_backend,
                 accept_openai_requests=accept_openai_requests,
+                estimate_unmeasured_backends=unmeasured_backends == "estimate",
                 derive_affinity_key=derive_affinity_key,
                 derive_affinity_key_bytes=derive_affinity_key_bytes,
                 lb_config_path=lb_config_path,

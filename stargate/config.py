@@ -339,6 +339,8 @@ class ProxyConfig:
     # docs/data-plane.md, "Derived affinity keys" (stargate/proxy/affinity_key.py).
     derive_affinity_key: bool = False
     derive_affinity_key_bytes: int = DEFAULT_DERIVE_AFFINITY_KEY_BYTES
+    # docs/pylon-data-path.md, "Unmeasured backends" (stargate/routing/state.py).
+    estimate_unmeasured_backends: bool = True
 
     def __post_init__(self) -> None:
         if self.derive_affinity_key_bytes < 1:

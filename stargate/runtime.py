@@ -175,6 +175,7 @@ class Replica:
             on_backend_unroutable=lambda registration, target: self.forwarder.backend_unroutable(
                 registration, target
             ),
+            estimate_unmeasured=config.proxy.estimate_unmeasured_backends,
         )
         self.readiness = Readiness(config.warmup, self.metrics.readiness)
         # TLS on the HTTP and gRPC listeners (docs/tls.md): a pair that cannot be served fails

@@ -33,9 +33,11 @@ costs every request a set union) for the life of the replica.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Final
 
 from stargate.routing.stats import (
     ModelStats,
@@ -45,6 +47,7 @@ from stargate.routing.stats import (
 )
 
 __all__ = [
+    "UNMEASURED_INPUT_TPS",
     "AlreadyRegistered",
     "BackendRoute",
     "BackendSnapshot",
@@ -56,6 +59,7 @@ __all__ = [
     "RoutingState",
     "RoutingTargetKey",
     "TargetSnapshot",
+    "estimate_unmeasured_input_tps",
 ]
 
 log = logging.getLogger(__name__)
@@ -158,13 +162,17 @@ class BackendSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
-    """A cluster as load balancers see it: aggregated stats and its backends (sorted by id)."""
+    """A cluster as load balancers see it: aggregated stats and its backends (sorted by id).
+
+    `input_tps_estimated`: the cluster published no usable `last_mean_input_tps` and
+    `stats.last_mean_input_tps` is a stand-in (`estimate_unmeasured_input_tps`)."""
 
     cluster_id: str
     stats: ModelStats
     rtt_seconds: float
     received_at: float
     backends: tuple[BackendSnapshot, ...]
+    input_tps_estimated: bool = False
 
     @property
     def active_backend_count(self) -> int:
@@ -181,6 +189,46 @@ class TargetSnapshot:
     @property
     def active_backend_count(self) -> int:
         return sum(cluster.active_backend_count for cluster in self.clusters)
+
+
+UNMEASURED_INPUT_TPS: Final = 1000.0
+"""The stand-in input TPS when no cluster of a target is measured yet. Only its equality across
+the target matters (every estimate then scales alike, so the queues decide); 1,000 tokens/s keeps
+the estimates in a plausible range for traces and wait-and-widen's millisecond buckets."""
+
+
+def estimate_unmeasured_input_tps(
+    clusters: tuple[ClusterSnapshot, ...],
+) -> tuple[ClusterSnapshot, ...]:
+    """`clusters` with a stand-in `last_mean_input_tps` for every cluster that has none usable
+    (docs/pylon-data-path.md, "Unmeasured backends").
+
+    A Pylon publishes its input TPS only after five completed requests (or a calibration), and
+    every load-aware balancer needs one: without it pulsar ranks nothing, wait-and-widen finds no
+    finite TTFT and power-of-n compares infinities, so a fresh fleet would be refused (503) or
+    balanced at random. The stand-in is the mean of the target's measured clusters (a new engine
+    is taken for an average one until it is measured), or `UNMEASURED_INPUT_TPS` when none is;
+    the queue counts the Pylons publish from their first request then decide. Clusters that are
+    measured are returned as they are, so the Rust rules hold wherever stats exist.
+    """
+    measured = [
+        tps
+        for cluster in clusters
+        if math.isfinite(tps := cluster.stats.last_mean_input_tps) and tps > 0.0
+    ]
+    if len(measured) == len(clusters):
+        return clusters
+    stand_in = sum(measured) / len(measured) if measured else UNMEASURED_INPUT_TPS
+    return tuple(
+        cluster
+        if math.isfinite(tps := cluster.stats.last_mean_input_tps) and tps > 0.0
+        else replace(
+            cluster,
+            stats=replace(cluster.stats, last_mean_input_tps=stand_in),
+            input_tps_estimated=True,
+        )
+        for cluster in clusters
+    )
 
 
 class Reservation:
@@ -345,6 +393,10 @@ class RoutingState:
     that registration leaves `target` (once per entry; never for an entry that was not stored), so
     the proxy can cancel attempts still waiting for that backend's response head instead of
     letting them wait out the head timeout. It must not mutate the routing state.
+
+    `estimate_unmeasured`: snapshots give clusters without a usable input TPS a stand-in
+    (`estimate_unmeasured_input_tps`; `serve --unmeasured-backends estimate`). Off, the snapshots
+    carry what the Pylons published (the Rust rule).
     """
 
     def __init__(
@@ -353,8 +405,10 @@ class RoutingState:
         *,
         wall_clock: Callable[[], float] = time.time,
         on_backend_unroutable: BackendUnroutableListener | None = None,
+        estimate_unmeasured: bool = False,
     ) -> None:
         self._on_target_count = on_target_count
+        self._estimate_unmeasured = estimate_unmeasured
         self._on_backend_unroutable = on_backend_unroutable
         self._registrations: dict[str, Registration] = {}
         self._clusters: dict[tuple[str | None, str], ClusterGeneration] = {}
@@ -465,6 +519,8 @@ class RoutingState:
         if state.snapshot is None:
             views = (cluster.current() for cluster in state.clusters.values())
             clusters = tuple(view for view in views if view is not None)
+            if self._estimate_unmeasured:
+                clusters = estimate_unmeasured_input_tps(clusters)
             state.snapshot = TargetSnapshot(target, clusters)
         return state.snapshot
 

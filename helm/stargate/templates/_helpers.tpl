@@ -276,6 +276,7 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "proxyConnectTimeoutMs" "--proxy-connect-timeout-ms" "value")
   (list "proxyMaxConnectionsPerBackend" "--proxy-max-connections-per-backend" "value")
   (list "acceptOpenaiRequests" "--accept-openai-requests" "switch")
+  (list "unmeasuredBackends" "--unmeasured-backends" "value")
   (list "deriveAffinityKey" "--derive-affinity-key" "switch")
   (list "deriveAffinityKeyBytes" "--derive-affinity-key-bytes" "value")
   (list "lbConfigPath" "--lb-config-path" "value")
