@@ -5,23 +5,33 @@ the zero-delay non-streaming path) so that one mock can absorb far more traffic 
 replica can proxy. Its behaviour is steered at run time through `/test-control` (see
 `stargate.mock.control`).
 
-Timing of a generation (`ttft_ms`, `inter_token_ms`, `response_delay_ms` are the current knobs):
+Chat, completions and Responses requests go through the mock engine (`stargate.mock.engine`, a
+batching server's running slots, KV cache and FIFO waiting queue; docs/mock-backend.md,
+"Batching"). With its limits off (the default) every request runs the moment it arrives, and the
+timing is exactly that of the knobs. Timing of a generation (`ttft_ms`, `inter_token_ms`,
+`response_delay_ms` are the current knobs):
 
 * streaming: `response_delay_ms`, then the response head (and, for `/v1/responses`, the
-  `response.created` event), then the TTFT, then the first token (chat sends its role chunk
-  just before it), then `inter_token_ms` before each further token, then at once the closing
-  events (finish chunk, optional usage chunk, `[DONE]`; or `response.completed`). Every SSE
-  event is its own ASGI body message.
-* non-streaming: `response_delay_ms + TTFT + (tokens - 1) * inter_token_ms`, then the head
-  and the whole JSON body.
-* embeddings: `response_delay_ms`, then the JSON body.
+  `response.created` event) as the request reaches the engine, then the wait for a running
+  slot, then the TTFT, then the first token (chat sends its role chunk just before it), then
+  `inter_token_ms` before each further token, then at once the closing events (finish chunk,
+  optional usage chunk, `[DONE]`; or `response.completed`). Every SSE event is its own ASGI
+  body message. The slot is released with the last token.
+* non-streaming: `response_delay_ms`, the wait for a slot, `TTFT + (tokens - 1) *
+  inter_token_ms`, then the head and the whole JSON body.
+* embeddings: `response_delay_ms`, then the JSON body (they do not go through the engine).
 
 The TTFT is `ttft_ms`, or with the prefix-cache model on (`prefix_cache_blocks` > 0, see
 `stargate.mock.prefix_cache`) `ttft_ms * (1 - hit_fraction * prefix_cache_speedup)`, where
 `hit_fraction` is the share of the prompt's text found in the cache when the request was planned
 (the cache is looked up and updated at that moment, in the order requests arrive; see
-docs/mock-backend.md). Every chat, completions and Responses answer that got that far then
-carries `x-mock-prefix-cache-hit-chars` and `x-mock-prefix-cache-prompt-chars`.
+docs/mock-backend.md); plus `prefill_ms_per_token` for each prompt token not cached. Every chat,
+completions and Responses answer that got that far then carries `x-mock-prefix-cache-hit-chars`
+and `x-mock-prefix-cache-prompt-chars`.
+
+`GET /metrics` (vLLM's Prometheus metrics), `GET /kv-cache/stats` (with a bounded KV cache) and
+`GET /pylon/v1/stats/stream` (NDJSON, with `engine_stats_stream`) report the engine's load; they
+are not counted in `counters.requests`.
 """
 
 from __future__ import annotations
@@ -40,16 +50,20 @@ import trio
 from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.mock import prefix_cache, shapes
 from stargate.mock.control import (
+    BatchingKnobs,
     ControlError,
     Counters,
     FailNext,
     Knobs,
     PrefixCacheKnobs,
+    apply_batching_control,
     apply_control,
     apply_prefix_cache_control,
 )
+from stargate.mock.engine import Engine, RunningSequence, SequenceInfo
 from stargate.mock.prefix_cache import PrefixCache
 from stargate.mock.shapes import RequestError
+from stargate.mock.stats_stream import NDJSON_HEADERS
 
 __all__ = [
     "DroppedConnection",
@@ -65,6 +79,7 @@ MAX_EMBEDDING_DIMENSIONS = 65536
 
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
+_PROMETHEUS = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -90,6 +105,10 @@ class MockBackendConfig:
     prefix_cache_blocks: int = 0
     prefix_cache_speedup: float = prefix_cache.DEFAULT_SPEEDUP
     prefix_cache_block_chars: int = prefix_cache.DEFAULT_BLOCK_CHARS
+    max_num_seqs: int = 0
+    prefill_ms_per_token: float = 0.0
+    kv_cache_tokens: int = 0
+    engine_stats_stream: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -98,7 +117,10 @@ class MockBackendConfig:
             raise ValueError("delays must be non-negative")
         if self.tokens < 1:
             raise ValueError("tokens must be at least 1")
+        if self.kv_cache_tokens < 0:
+            raise ValueError("kv_cache_tokens must be non-negative")
         self.prefix_cache_knobs()  # validates them
+        self.batching_knobs()
 
     def knobs(self) -> Knobs:
         """The knobs a fresh (or reset) mock starts with."""
@@ -110,6 +132,12 @@ class MockBackendConfig:
             blocks=self.prefix_cache_blocks,
             speedup=self.prefix_cache_speedup,
             block_chars=self.prefix_cache_block_chars,
+        )
+
+    def batching_knobs(self) -> BatchingKnobs:
+        """The batching knobs a fresh (or reset) mock starts with."""
+        return BatchingKnobs(
+            max_num_seqs=self.max_num_seqs, prefill_ms_per_token=self.prefill_ms_per_token
         )
 
 
@@ -125,21 +153,39 @@ def drop_filter(record: logging.LogRecord) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _Stream:
-    """A planned SSE stream: `(delay before, event bytes)` pairs; the closing events start at
-    `closing` (a dropped stream never sends them)."""
+    """A planned SSE stream: `(delay before, event bytes)` pairs.
+
+    The events before `admit_at` are sent on arrival; the request then waits for a running slot,
+    and the delay of event `admit_at` is its TTFT. Generated token `i` (from 1) is event
+    `first_token + i - 1`, and the closing events start at `closing` (a dropped stream never
+    sends them).
+    """
 
     events: list[tuple[float, bytes]]
     closing: int
+    info: SequenceInfo
     headers: Headers = ()
+    admit_at: int = 0
+    first_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class _Reply:
-    """A planned non-streaming JSON answer, sent after `delay` seconds."""
+    """A planned non-streaming JSON answer: once the request has a running slot, `ttft`
+    seconds, then `tokens - 1` gaps of `gap` seconds, then the answer. Embeddings have no
+    `info`: they take no slot and no time."""
 
-    delay: float
     payload: dict[str, Any]
     headers: Headers = ()
+    info: SequenceInfo | None = None
+    ttft: float = 0.0
+    gap: float = 0.0
+    tokens: int = 0
+
+    @property
+    def delay(self) -> float:
+        """The generation's time once admitted: TTFT, then decoding."""
+        return self.ttft + max(self.tokens - 1, 0) * self.gap
 
 
 def _seconds(milliseconds: float) -> float:
@@ -186,6 +232,7 @@ async def _read_body(receive: ASGIReceive) -> bytes | None:
 
 
 Handler = Callable[["MockBackend", ASGIScope, bytes, ASGIReceive, ASGISend], Awaitable[None]]
+Planner = Callable[["MockBackend", ASGIScope, dict[str, Any], Knobs], "_Stream | _Reply"]
 
 
 class MockBackend:
@@ -205,6 +252,25 @@ class MockBackend:
         self.counters = Counters()
         self.in_flight = 0
         self._ids = itertools.count(1)
+        self.batching_defaults = config.batching_knobs()
+        self.batching_knobs = self.batching_defaults
+        self.engine = Engine(
+            config.models,
+            max_num_seqs=self.batching_knobs.max_num_seqs,
+            kv_cache_tokens=config.kv_cache_tokens,
+            on_kv_change=self._fit_prefix_cache,
+        )
+        self._fit_prefix_cache()
+
+    def _fit_prefix_cache(self) -> None:
+        """Give the prefix cache its capacity: `prefix_cache_blocks`, or with a bounded KV cache
+        at most the blocks the running sequences leave free (evicting down to that)."""
+        knobs = self.prefix_cache_knobs
+        capacity = prefix_cache.capacity_within_kv(
+            knobs.blocks, knobs.block_chars, self.engine.scheduler.kv_free
+        )
+        evicted = self.prefix_cache.configure(capacity, knobs.block_chars)
+        self.counters.prefix_cache.evicted_blocks += evicted
 
     # ---------------------------------------------------------------- dispatch
 
@@ -216,21 +282,19 @@ class MockBackend:
             await answer_lifespan(receive, send)
 
     async def _http(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-        counters = self.counters
-        counters.requests_total += 1
         route = _ROUTES.get(scope["path"])
-        if route is None:
-            counters.requests["not_found"] += 1
-        else:
-            counters.requests[route[0]] += 1
+        counter = "not_found" if route is None else route[0]
+        if counter is not None:  # the observability endpoints are not counted
+            counters = self.counters
+            counters.requests_total += 1
+            counters.requests[counter] += 1
         body = await _read_body(receive)
         if body is None:
             if scope["method"] == "POST":  # too large; a client that left reads nothing anyway
                 await self._json(scope, send, 413, shapes.error_body("request body too large"))
             return
         if route is None:
-            message = f"no route for {scope['method']} {scope['path']}"
-            await self._json(scope, send, 404, shapes.error_body(message, "not_found_error"))
+            await self._not_found(scope, send)
             return
         _, methods, handler = route
         if scope["method"] not in methods:
@@ -273,6 +337,10 @@ class MockBackend:
         headers = [_JSON, *(extra or ())]
         await self._send_bytes(scope, send, status, shapes.dumps(payload), headers)
 
+    async def _not_found(self, scope: ASGIScope, send: ASGISend) -> None:
+        message = f"no route for {scope['method']} {scope['path']}"
+        await self._json(scope, send, 404, shapes.error_body(message, "not_found_error"))
+
     async def _failure(self, scope: ASGIScope, send: ASGISend, fail: FailNext) -> None:
         if fail.body is None:
             message = f"mock injected failure (fail_next, status {fail.status})"
@@ -313,13 +381,51 @@ class MockBackend:
         else:
             await self._send_bytes(scope, send, 503, b"unhealthy", [_TEXT])
 
+    async def _metrics(
+        self, scope: ASGIScope, body: bytes, receive: ASGIReceive, send: ASGISend
+    ) -> None:
+        text = self.engine.render_metrics().encode()
+        await self._send_bytes(scope, send, 200, text, [_PROMETHEUS])
+
+    async def _kv_cache_stats(
+        self, scope: ASGIScope, body: bytes, receive: ASGIReceive, send: ASGISend
+    ) -> None:
+        capacity = self.config.kv_cache_tokens
+        if capacity == 0:  # unlimited: there is nothing to report
+            await self._not_found(scope, send)
+            return
+        used = self.engine.kv_used
+        payload = {
+            "model": self.models[0],
+            "kv_cache_capacity_tokens": capacity,
+            "kv_cache_used_tokens": used,
+            "kv_cache_free_tokens": capacity - used,
+        }
+        await self._json(scope, send, 200, payload)
+
+    async def _stats_stream(
+        self, scope: ASGIScope, body: bytes, receive: ASGIReceive, send: ASGISend
+    ) -> None:
+        if not self.config.engine_stats_stream:
+            await self._not_found(scope, send)
+            return
+        headers = [*NDJSON_HEADERS, *self._common_headers(scope)]
+        if await self.engine.stats.serve(receive, send, headers):
+            raise DroppedConnection("the stats-stream subscriber fell behind")
+
     def snapshot(self) -> dict[str, Any]:
-        """`GET /test-control`: the knobs (valid `POST` input), models, in-flight and counters."""
+        """`GET /test-control`: the knobs (valid `POST` input), models, in-flight, the engine's
+        queues and KV cache (read only), and counters."""
         return {
             **self.knobs.to_json(),
             **self.prefix_cache_knobs.to_json(),
+            **self.batching_knobs.to_json(),
             "models": list(self.models),
             "in_flight": self.in_flight,
+            "running": self.engine.running,
+            "waiting": self.engine.waiting,
+            "kv_cache_tokens": self.config.kv_cache_tokens,
+            "kv_cache_used_tokens": self.engine.kv_used,
             "counters": self.counters.to_json(cached_blocks=len(self.prefix_cache)),
         }
 
@@ -338,16 +444,20 @@ class MockBackend:
                 cache_knobs = apply_prefix_cache_control(
                     payload, self.prefix_cache_knobs, self.prefix_cache_defaults, reset=reset
                 )
+                batching = apply_batching_control(
+                    payload, self.batching_knobs, self.batching_defaults, reset=reset
+                )
             except ControlError as error:
                 await self._json(scope, send, 400, shapes.error_body(str(error)))
                 return
             self.knobs, self.prefix_cache_knobs = knobs, cache_knobs
+            self.batching_knobs = batching
             if reset:
                 self.counters = Counters()
                 self.prefix_cache.clear()
-            evicted = self.prefix_cache.configure(cache_knobs.blocks, cache_knobs.block_chars)
-            self.counters.prefix_cache.evicted_blocks += evicted
-            log.info("test-control: %s %s", self.knobs, self.prefix_cache_knobs)
+            self._fit_prefix_cache()
+            self.engine.set_max_num_seqs(batching.max_num_seqs)  # more slots wake waiters
+            log.info("test-control: %s %s %s", self.knobs, self.prefix_cache_knobs, batching)
         await self._json(scope, send, 200, self.snapshot())
 
     # ---------------------------------------------------------------- inference endpoints
@@ -358,7 +468,7 @@ class MockBackend:
         body: bytes,
         receive: ASGIReceive,
         send: ASGISend,
-        plan: Callable[[MockBackend, ASGIScope, dict[str, Any], Knobs], _Stream | _Reply],
+        plan: Planner,
     ) -> None:
         self.in_flight += 1
         try:
@@ -372,7 +482,7 @@ class MockBackend:
         body: bytes,
         receive: ASGIReceive,
         send: ASGISend,
-        plan: Callable[[MockBackend, ASGIScope, dict[str, Any], Knobs], _Stream | _Reply],
+        plan: Planner,
     ) -> None:
         knobs = self.knobs
         fail = knobs.fail_next
@@ -397,7 +507,7 @@ class MockBackend:
                 raise RequestError(f"the model '{model}' is not served here (serving: {served})")
             planned = plan(self, scope, request, knobs)
         except RequestError as error:
-            await self._json(scope, send, 400, shapes.error_body(str(error)))
+            await self._json(scope, send, 400, shapes.error_body(str(error), code=error.code))
             return
         except (ValueError, RecursionError):
             # RecursionError: JSON nested deeper than the interpreter's stack (a few thousand
@@ -412,8 +522,14 @@ class MockBackend:
                     self.knobs, drop_mid_stream=dataclasses.replace(drop, count=drop.count - 1)
                 )
                 drop_after = min(drop.after_chunks, planned.closing)
-        elif knobs.response_delay_ms == 0 and planned.delay == 0:
-            # The hot path: no timers, so no task watching for the client leaving.
+        elif (
+            knobs.response_delay_ms == 0
+            and planned.delay == 0
+            and (planned.info is None or self.engine.complete_at_once(planned.info))
+        ):
+            # The hot path: no timers, so no task watching for the client leaving. The
+            # generation takes no time and got a slot at once, so it went through the engine
+            # in one step.
             await self._reply(scope, send, planned, request)
             return
         dropped = await self._watching_disconnect(
@@ -450,18 +566,42 @@ class MockBackend:
             if knobs.response_delay_ms > 0:
                 await trio.sleep(_seconds(knobs.response_delay_ms))
             if isinstance(planned, _Reply):
-                if planned.delay > 0:
-                    await trio.sleep(planned.delay)
+                if planned.info is not None:
+                    with self.engine.sequence(planned.info) as sequence:
+                        await self._generate_quietly(sequence, planned)
                 state["finishing"] = True
                 await self._reply(scope, send, planned, request)
             else:
-                state["dropped"] = await self._stream(scope, send, planned, drop_after, state)
+                with self.engine.sequence(planned.info) as sequence:
+                    state["dropped"] = await self._stream(
+                        scope, send, planned, drop_after, state, sequence
+                    )
             cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, nursery.cancel_scope)
             nursery.start_soon(answer, nursery.cancel_scope)
         return state["dropped"]
+
+    async def _generate_quietly(self, sequence: RunningSequence, planned: _Reply) -> None:
+        """A non-streaming generation: a running slot, the TTFT, then the decoding. Its tokens
+        are reported one by one only when the stats stream has a listener; otherwise the
+        decoding is one sleep (one timer instead of one per token)."""
+        await sequence.admission()
+        if planned.ttft > 0:
+            await trio.sleep(planned.ttft)
+        sequence.prefilled()
+        tokens, gap = planned.tokens, planned.gap
+        if gap > 0 and tokens > 1 and self.engine.stats.active:
+            sequence.generated(1)
+            for count in range(2, tokens + 1):
+                await trio.sleep(gap)
+                sequence.generated(count)
+        else:
+            if gap > 0 and tokens > 1:
+                await trio.sleep(gap * (tokens - 1))
+            sequence.generated(tokens)
+        sequence.finish()
 
     async def _reply(
         self, scope: ASGIScope, send: ASGISend, planned: _Reply, request: dict[str, Any]
@@ -478,8 +618,12 @@ class MockBackend:
         planned: _Stream,
         drop_after: int | None,
         state: dict[str, bool],
+        sequence: RunningSequence,
     ) -> bool:
-        """Send the SSE stream; True if it stopped after `drop_after` events to be aborted."""
+        """Send the SSE stream; True if it stopped after `drop_after` events to be aborted.
+
+        The head goes out at once (as vLLM answers a queued stream); the request then waits for
+        a running slot before event `admit_at`, whose delay is the TTFT."""
         headers = [*_SSE_HEADERS, *planned.headers, *self._common_headers(scope)]
         if _header(scope, b"x-mock-echo-headers") == b"1":  # a stream has no JSON body for them
             echoed = json.dumps(_received_headers(scope), separators=(",", ":"))
@@ -488,15 +632,24 @@ class MockBackend:
         events = planned.events
         limit = len(events) if drop_after is None else drop_after
         last = len(events) - 1
+        admit_at, first_token, closing = planned.admit_at, planned.first_token, planned.closing
         for index in range(limit):
+            if index == admit_at:
+                await sequence.admission()
             delay, chunk = events[index]
             if delay > 0:
                 await trio.sleep(delay)
+            if index == admit_at:
+                sequence.prefilled()
             if index == last:
                 state["finishing"] = True
                 await send({"type": "http.response.body", "body": chunk})
             else:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if first_token <= index < closing:
+                sequence.generated(index - first_token + 1)
+                if index == closing - 1:
+                    sequence.finish()
         return limit < len(events)
 
     def _next_id(self) -> int:
@@ -508,17 +661,43 @@ class MockBackend:
         from_header = shapes.header_token_count(_header(scope, b"x-input-tokens"))
         return from_header if from_header is not None else shapes.estimate_tokens(text)
 
+    def _check_fits(self, prompt: int, tokens: int) -> None:
+        """400 for a request whose KV reservation exceeds the whole KV cache: it could never
+        run (call it before `_prefill`, so that a refused request does not touch the cache)."""
+        capacity = self.config.kv_cache_tokens
+        if capacity and prompt + tokens > capacity:
+            raise shapes.context_too_long(capacity, prompt, tokens)
+
+    def _sequence_info(
+        self, scope: ASGIScope, response_id: str, model: str, prompt: int, tokens: int
+    ) -> SequenceInfo:
+        """The engine's view of the request; it is known by its `x-request-id`, if it has one."""
+        header = _header(scope, b"x-request-id")
+        request_id = header.decode("latin-1") if header is not None else response_id
+        return SequenceInfo(request_id, model, prompt, tokens)
+
     def _prefill(
-        self, knobs: Knobs, cache_text: Callable[[dict[str, Any]], str], request: dict[str, Any]
+        self,
+        knobs: Knobs,
+        cache_text: Callable[[dict[str, Any]], str],
+        request: dict[str, Any],
+        prompt_tokens: int,
     ) -> tuple[float, Headers]:
-        """The request's TTFT in milliseconds and its prefix-cache headers; with the model on,
-        looks the prompt up and inserts it (call it once the request is known to be valid)."""
+        """The request's TTFT in milliseconds (counted from when it gets a running slot) and its
+        prefix-cache headers; with the model on, looks the prompt up and inserts it (call it
+        once the request is known to be valid).
+
+        TTFT = the fixed part (`ttft_ms`, shortened by the cached share of the prompt) plus
+        `prefill_ms_per_token` for each uncached prompt token."""
+        per_token = self.batching_knobs.prefill_ms_per_token
         cache_knobs = self.prefix_cache_knobs
         if not cache_knobs.enabled:
-            return knobs.ttft_ms, ()
+            return knobs.ttft_ms + per_token * prompt_tokens, ()
         lookup = self.prefix_cache.lookup_and_insert(cache_text(request))
         self.counters.prefix_cache.count(lookup)
         ttft_ms = prefix_cache.ttft_ms(knobs.ttft_ms, lookup.hit_fraction, cache_knobs.speedup)
+        if per_token:
+            ttft_ms += per_token * prefix_cache.uncached_tokens(prompt_tokens, lookup)
         headers = (
             (HIT_CHARS_HEADER, str(lookup.hit_chars).encode()),
             (PROMPT_CHARS_HEADER, str(lookup.prompt_chars).encode()),
@@ -531,35 +710,44 @@ class MockBackend:
         prompt = self._prompt_tokens(scope, shapes.chat_prompt_text(request))
         limit = shapes.max_tokens_field(request, "max_completion_tokens", "max_tokens")
         tokens = knobs.tokens if limit is None else min(limit, knobs.tokens)
-        ttft_ms, headers = self._prefill(knobs, shapes.chat_cache_text, request)
+        self._check_fits(prompt, tokens)
+        ttft_ms, headers = self._prefill(knobs, shapes.chat_cache_text, request, prompt)
         model: str = request["model"]
         response_id = f"chatcmpl-mock-{self._next_id()}"
+        info = self._sequence_info(scope, response_id, model, prompt, tokens)
         created = int(time.time())
+        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         if request.get("stream") is not True:
             text = shapes.answer_text(tokens)
             payload = shapes.chat_completion(response_id, created, model, text, prompt, tokens)
-            return _Reply(_generation_delay(knobs, ttft_ms, tokens), payload, headers)
+            return _Reply(payload, headers, info, ttft, gap, tokens)
         include_usage = _include_usage(request)
+        continuous = _continuous_usage(request)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        def chunk(delta: dict[str, Any], generated: int, finish: str | None = None) -> bytes:
             payload = shapes.chat_chunk(
-                response_id, created, model, delta, finish, include_usage=include_usage
+                response_id,
+                created,
+                model,
+                delta,
+                finish,
+                include_usage=include_usage,
+                usage_so_far=shapes.usage(prompt, generated) if continuous else None,
             )
             return shapes.sse_data(payload)
 
-        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
-        events = [(ttft, chunk({"role": "assistant", "content": ""}))]
+        events = [(ttft, chunk({"role": "assistant", "content": ""}, 0))]
         events += [
-            (0.0 if index == 0 else gap, chunk({"content": shapes.token_text(index)}))
+            (0.0 if index == 0 else gap, chunk({"content": shapes.token_text(index)}, index + 1))
             for index in range(tokens)
         ]
         closing = len(events)
-        events.append((0.0, chunk({}, "stop")))
+        events.append((0.0, chunk({}, tokens, "stop")))
         if include_usage:
             usage = shapes.chat_usage_chunk(response_id, created, model, prompt, tokens)
             events.append((0.0, shapes.sse_data(usage)))
         events.append((0.0, shapes.SSE_DONE))
-        return _Stream(events, closing, headers)
+        return _Stream(events, closing, info, headers, admit_at=0, first_token=1)
 
     def _plan_completion(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
@@ -567,34 +755,43 @@ class MockBackend:
         prompt = self._prompt_tokens(scope, shapes.prompt_text(request))
         limit = shapes.max_tokens_field(request, "max_tokens")
         tokens = knobs.tokens if limit is None else min(limit, knobs.tokens)
-        ttft_ms, headers = self._prefill(knobs, shapes.completion_cache_text, request)
+        self._check_fits(prompt, tokens)
+        ttft_ms, headers = self._prefill(knobs, shapes.completion_cache_text, request, prompt)
         model: str = request["model"]
         response_id = f"cmpl-mock-{self._next_id()}"
+        info = self._sequence_info(scope, response_id, model, prompt, tokens)
         created = int(time.time())
+        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         if request.get("stream") is not True:
             text = shapes.answer_text(tokens)
             payload = shapes.completion(response_id, created, model, text, prompt, tokens)
-            return _Reply(_generation_delay(knobs, ttft_ms, tokens), payload, headers)
+            return _Reply(payload, headers, info, ttft, gap, tokens)
         include_usage = _include_usage(request)
+        continuous = _continuous_usage(request)
 
-        def chunk(text: str, finish: str | None = None) -> bytes:
+        def chunk(text: str, generated: int, finish: str | None = None) -> bytes:
             payload = shapes.completion_chunk(
-                response_id, created, model, text, finish, include_usage=include_usage
+                response_id,
+                created,
+                model,
+                text,
+                finish,
+                include_usage=include_usage,
+                usage_so_far=shapes.usage(prompt, generated) if continuous else None,
             )
             return shapes.sse_data(payload)
 
-        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         events = [
-            (ttft if index == 0 else gap, chunk(shapes.token_text(index)))
+            (ttft if index == 0 else gap, chunk(shapes.token_text(index), index + 1))
             for index in range(tokens)
         ]
         closing = len(events)
-        events.append((0.0, chunk("", "stop")))
+        events.append((0.0, chunk("", tokens, "stop")))
         if include_usage:
             usage = shapes.completion_usage_chunk(response_id, created, model, prompt, tokens)
             events.append((0.0, shapes.sse_data(usage)))
         events.append((0.0, shapes.SSE_DONE))
-        return _Stream(events, closing, headers)
+        return _Stream(events, closing, info, headers, admit_at=0, first_token=0)
 
     def _plan_responses(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
@@ -602,11 +799,14 @@ class MockBackend:
         prompt = self._prompt_tokens(scope, shapes.responses_input_text(request))
         limit = shapes.max_tokens_field(request, "max_output_tokens")
         tokens = knobs.tokens if limit is None else min(limit, knobs.tokens)
-        ttft_ms, headers = self._prefill(knobs, shapes.responses_cache_text, request)
+        self._check_fits(prompt, tokens)
+        ttft_ms, headers = self._prefill(knobs, shapes.responses_cache_text, request, prompt)
         model: str = request["model"]
         number = self._next_id()
         response_id, message_id = f"resp_mock_{number}", f"msg_mock_{number}"
+        info = self._sequence_info(scope, response_id, model, prompt, tokens)
         created = int(time.time())
+        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         text = shapes.answer_text(tokens)
 
         def response(status: str) -> dict[str, Any]:
@@ -622,11 +822,10 @@ class MockBackend:
             )
 
         if request.get("stream") is not True:
-            return _Reply(_generation_delay(knobs, ttft_ms, tokens), response("completed"), headers)
+            return _Reply(response("completed"), headers, info, ttft, gap, tokens)
         created_event = {"type": "response.created", "sequence_number": 0}
         created_event["response"] = response("in_progress")
         events = [(0.0, shapes.sse_event("response.created", created_event))]
-        ttft, gap = _seconds(ttft_ms), _seconds(knobs.inter_token_ms)
         for index in range(tokens):
             delta = {
                 "type": "response.output_text.delta",
@@ -646,7 +845,8 @@ class MockBackend:
             "response": response("completed"),
         }
         events.append((0.0, shapes.sse_event("response.completed", completed)))
-        return _Stream(events, closing, headers)
+        # response.created goes out on arrival; the slot is awaited before the first delta.
+        return _Stream(events, closing, info, headers, admit_at=1, first_token=1)
 
     def _plan_embeddings(
         self, scope: ASGIScope, request: dict[str, Any], knobs: Knobs
@@ -671,7 +871,7 @@ class MockBackend:
             dimensions=dimensions,
             base64_format=encoding == "base64",
         )
-        return _Reply(0.0, payload)
+        return _Reply(payload)
 
     # ---------------------------------------------------------------- route handlers
 
@@ -696,17 +896,25 @@ class MockBackend:
         await self._inference(scope, body, receive, send, MockBackend._plan_embeddings)
 
 
-def _generation_delay(knobs: Knobs, ttft_ms: float, tokens: int) -> float:
-    """How long a non-streaming generation of `tokens` tokens takes (TTFT, then decoding)."""
-    return _seconds(ttft_ms + max(tokens - 1, 0) * knobs.inter_token_ms)
-
-
 def _include_usage(request: dict[str, Any]) -> bool:
     options = request.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-_ROUTES: dict[str, tuple[str, tuple[str, ...], Handler]] = {
+def _continuous_usage(request: dict[str, Any]) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: the usage so far on every content chunk.
+    As in vLLM, an explicit `include_usage: false` turns it off."""
+    options = request.get("stream_options")
+    return (
+        isinstance(options, dict)
+        and options.get("continuous_usage_stats") is True
+        and options.get("include_usage") is not False
+    )
+
+
+# Route -> (its key in `counters.requests`, None for the observability endpoints, which are not
+# counted so that a scraper does not disturb the counts a test asserts; methods; handler).
+_ROUTES: dict[str, tuple[str | None, tuple[str, ...], Handler]] = {
     "/v1/chat/completions": ("chat_completions", ("POST",), MockBackend._chat),
     "/v1/completions": ("completions", ("POST",), MockBackend._completions),
     "/v1/responses": ("responses", ("POST",), MockBackend._responses),
@@ -714,4 +922,7 @@ _ROUTES: dict[str, tuple[str, tuple[str, ...], Handler]] = {
     "/v1/models": ("models", ("GET", "HEAD"), MockBackend._models),
     "/health": ("health", ("GET", "HEAD"), MockBackend._health),
     "/test-control": ("test_control", ("GET", "POST"), MockBackend._control),
+    "/metrics": (None, ("GET",), MockBackend._metrics),
+    "/kv-cache/stats": (None, ("GET",), MockBackend._kv_cache_stats),
+    "/pylon/v1/stats/stream": (None, ("GET",), MockBackend._stats_stream),
 }

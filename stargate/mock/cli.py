@@ -1,10 +1,15 @@
 """`stargate mock-backend`: run the mock OpenAI-compatible inference server.
 
+It serves the OpenAI inference endpoints, `/v1/models`, `/health` and `/test-control`, and for
+whatever watches an engine's load, vLLM's `/metrics` (always), `/kv-cache/stats` (with
+`--kv-cache-tokens`) and the NDJSON `/pylon/v1/stats/stream` (with `--engine-stats-stream`).
+
 `run_mock_backend` serves one `MockBackend` with Hypercorn's trio worker on a pre-bound socket
 (`stargate/serving.py`, the same machinery as the replica's listeners); `mock_backend_command` is
 the click command the main `stargate` group registers. SIGTERM or SIGINT stops accepting
 connections and lets in-flight requests finish (for at most `SHUTDOWN_GRACE_SECONDS`); a second
-signal exits at once. Both exit 0."""
+signal exits at once. Both exit 0. The stats stream's subscribers are ended as the stop begins,
+so that an endless stream does not hold it for the whole grace period."""
 
 from __future__ import annotations
 
@@ -66,8 +71,13 @@ async def run_mock_backend(
         server_config = hypercorn_config(SHUTDOWN_GRACE_SECONDS)
         server_config.errorlog = _server_error_log()
         trigger = shutdown_trigger if shutdown_trigger is not None else trio.sleep_forever
+
+        async def stop_serving() -> None:
+            await trigger()
+            backend.engine.stats.close()
+
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_asgi, backend, sock, server_config, trigger)
+            await nursery.start(serve_asgi, backend, sock, server_config, stop_serving)
             log.info("mock backend listening on %s", ListenAddress(config.host, port))
             task_status.started(port)
     finally:
@@ -132,6 +142,13 @@ def _fraction(ctx: click.Context, param: click.Parameter, value: float) -> float
     """Refuses NaN, which `click.FloatRange` lets through."""
     if not 0.0 <= value <= 1.0:
         raise click.BadParameter(f"{value} is not a number between 0 and 1", ctx, param)
+    return value
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """Refuses NaN and infinity, which `click.FloatRange(min=0)` lets through."""
+    if not 0.0 <= value < float("inf"):
+        raise click.BadParameter(f"{value} is not a finite non-negative number", ctx, param)
     return value
 
 
@@ -218,6 +235,41 @@ def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     help="Characters per prefix-cache block (64 is about 16 tokens); only whole blocks are "
     "cached (initial `prefix_cache_block_chars` knob).",
 )
+@option(
+    "--max-num-seqs",
+    envvar="STARGATE_MOCK_MAX_NUM_SEQS",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Running slots (vLLM's max_num_seqs): at most this many requests generate at once; the "
+    "others wait in a FIFO queue (a stream gets its response head at once). 0 = unlimited "
+    "(initial `max_num_seqs` knob).",
+)
+@option(
+    "--prefill-ms-per-token",
+    envvar="STARGATE_MOCK_PREFILL_MS_PER_TOKEN",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    callback=_finite,
+    help="Prefill time per uncached prompt token, in milliseconds, added to the TTFT once the "
+    "request runs (initial `prefill_ms_per_token` knob).",
+)
+@option(
+    "--kv-cache-tokens",
+    envvar="STARGATE_MOCK_KV_CACHE_TOKENS",
+    type=click.IntRange(min=0),
+    default=0,
+    help="KV-cache capacity in tokens: a running request holds its prompt and output tokens, a "
+    "request waits until they fit, one that can never fit gets 400, and the prefix cache "
+    "lives in what is left. 0 = unlimited. Also serves GET /kv-cache/stats.",
+)
+@option(
+    "--engine-stats-stream",
+    envvar="STARGATE_MOCK_ENGINE_STATS_STREAM",
+    is_flag=True,
+    default=False,
+    help="Serve GET /pylon/v1/stats/stream: NDJSON per-request progress (tokens processed and "
+    "generated) and a ping every 5 s, for a router following the engine's load.",
+)
 @log_level_option("STARGATE_MOCK_LOG_LEVEL")
 @log_format_option("STARGATE_MOCK_LOG_FORMAT")
 def mock_backend_command(
@@ -230,6 +282,10 @@ def mock_backend_command(
     prefix_cache_blocks: int,
     prefix_cache_speedup: float,
     prefix_cache_block_chars: int,
+    max_num_seqs: int,
+    prefill_ms_per_token: float,
+    kv_cache_tokens: int,
+    engine_stats_stream: bool,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -238,7 +294,10 @@ def mock_backend_command(
     It serves POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/embeddings
     (streaming and not), GET /v1/models and GET /health, with deterministic answers. GET/POST
     /test-control reads and changes its knobs at run time (latencies, health, injected failures,
-    dropped streams, the prefix-cache model) and reads its request and prefix-cache counters.
+    dropped streams, the prefix-cache and batching models) and reads its request and prefix-cache
+    counters and its queues. Like a batching engine it can limit the requests running at once
+    and the KV cache they hold, and it reports its load as vLLM does: GET /metrics (Prometheus,
+    vLLM's metric names), GET /kv-cache/stats and GET /pylon/v1/stats/stream.
     """
     configure_logging(log_level, log_format)
     config = MockBackendConfig(
@@ -251,5 +310,9 @@ def mock_backend_command(
         prefix_cache_blocks=prefix_cache_blocks,
         prefix_cache_speedup=prefix_cache_speedup,
         prefix_cache_block_chars=prefix_cache_block_chars,
+        max_num_seqs=max_num_seqs,
+        prefill_ms_per_token=prefill_ms_per_token,
+        kv_cache_tokens=kv_cache_tokens,
+        engine_stats_stream=engine_stats_stream,
     )
     sys.exit(trio.run(functools.partial(_serve_until_signalled, config)))

@@ -1,11 +1,12 @@
 """The mock backend's run-time knobs and counters, and the pure validation of `/test-control`.
 
 `POST /test-control` takes a JSON object whose keys are a subset of `KNOB_KEYS`,
-`PREFIX_CACHE_KEYS` and `reset`; `GET /test-control` answers the same knob keys (so its output is
-valid input) together with the served models, the in-flight count and the counters. The
-prefix-cache model's knobs (`PrefixCacheKnobs`) are kept apart from the generation knobs
-(`Knobs`): `apply_control` validates the body as a whole and `apply_prefix_cache_control` reads
-their keys from it.
+`PREFIX_CACHE_KEYS`, `BATCHING_KEYS` and `reset`; `GET /test-control` answers the same knob keys
+(so its output is valid input) together with the served models, the in-flight count, the
+engine's queues and the counters. The prefix-cache model's knobs (`PrefixCacheKnobs`) and the
+batching model's (`BatchingKnobs`) are kept apart from the generation knobs (`Knobs`):
+`apply_control` validates the body as a whole, and `apply_prefix_cache_control` and
+`apply_batching_control` read their keys from it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 from stargate.mock.prefix_cache import DEFAULT_BLOCK_CHARS, DEFAULT_SPEEDUP, Lookup
 
 __all__ = [
+    "BATCHING_KEYS",
     "ENDPOINTS",
     "KNOB_KEYS",
     "PREFIX_CACHE_KEYS",
+    "BatchingKnobs",
     "ControlError",
     "Counters",
     "DropMidStream",
@@ -27,6 +30,7 @@ __all__ = [
     "Knobs",
     "PrefixCacheCounters",
     "PrefixCacheKnobs",
+    "apply_batching_control",
     "apply_control",
     "apply_prefix_cache_control",
 ]
@@ -58,6 +62,9 @@ KNOB_KEYS: frozenset[str] = frozenset(
 PREFIX_CACHE_KEYS: frozenset[str] = frozenset(
     {"prefix_cache_blocks", "prefix_cache_speedup", "prefix_cache_block_chars"}
 )
+
+
+BATCHING_KEYS: frozenset[str] = frozenset({"max_num_seqs", "prefill_ms_per_token"})
 
 
 class ControlError(ValueError):
@@ -146,6 +153,31 @@ class PrefixCacheKnobs:
             "prefix_cache_blocks": self.blocks,
             "prefix_cache_speedup": self.speedup,
             "prefix_cache_block_chars": self.block_chars,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingKnobs:
+    """The batching model's run-time knobs (docs/mock-backend.md, "Batching").
+
+    `max_num_seqs` is the number of running slots (0 = unlimited); `prefill_ms_per_token` the
+    prefill time of each uncached prompt token, added to the TTFT. The KV cache's size is not a
+    knob: it is fixed for the process's life (`--kv-cache-tokens`).
+    """
+
+    max_num_seqs: int = 0
+    prefill_ms_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 0:
+            raise ValueError("max_num_seqs must be non-negative")
+        if not 0.0 <= self.prefill_ms_per_token < float("inf"):  # also refuses NaN
+            raise ValueError("prefill_ms_per_token must be a non-negative finite number")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "prefill_ms_per_token": self.prefill_ms_per_token,
         }
 
 
@@ -271,7 +303,7 @@ def apply_control(payload: Any, current: Knobs, defaults: Knobs) -> tuple[Knobs,
     """
     if not isinstance(payload, dict):
         raise ControlError("the test-control body must be a JSON object")
-    unknown = sorted(set(payload) - KNOB_KEYS - PREFIX_CACHE_KEYS - {"reset"})
+    unknown = sorted(set(payload) - KNOB_KEYS - PREFIX_CACHE_KEYS - BATCHING_KEYS - {"reset"})
     if unknown:
         raise ControlError(f"unknown test-control key(s): {', '.join(unknown)}")
     reset = payload.get("reset", False)
@@ -319,5 +351,24 @@ def apply_prefix_cache_control(
     if "prefix_cache_block_chars" in payload:
         value = payload["prefix_cache_block_chars"]
         changes["block_chars"] = _int("prefix_cache_block_chars", value, 1)
+    base = defaults if reset else current
+    return dataclasses.replace(base, **changes)
+
+
+def apply_batching_control(
+    payload: dict[str, Any], current: BatchingKnobs, defaults: BatchingKnobs, *, reset: bool
+) -> BatchingKnobs:
+    """The batching knobs after a `/test-control` body that `apply_control` accepted.
+
+    Raises `ControlError` for an invalid value (`max_num_seqs` an integer >= 0,
+    `prefill_ms_per_token` a finite number >= 0); with `reset` the body's values apply on top of
+    `defaults`.
+    """
+    changes: dict[str, Any] = {}
+    if "max_num_seqs" in payload:
+        changes["max_num_seqs"] = _int("max_num_seqs", payload["max_num_seqs"], 0)
+    if "prefill_ms_per_token" in payload:
+        value = payload["prefill_ms_per_token"]
+        changes["prefill_ms_per_token"] = _milliseconds("prefill_ms_per_token", value)
     base = defaults if reset else current
     return dataclasses.replace(base, **changes)

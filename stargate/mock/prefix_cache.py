@@ -14,7 +14,10 @@ order. See docs/mock-backend.md for the model as a whole.
   when the cache is full, eviction (least recently used first) takes a chain's tail before its
   head, as vLLM's free-block queue does, and a prompt longer than the capacity keeps its first
   `capacity` blocks.
-* `ttft_ms` scales the time to first token by the cached fraction of the prompt.
+* `ttft_ms` scales the time to first token by the cached fraction of the prompt, and
+  `uncached_tokens` counts the prompt tokens left to prefill.
+* `capacity_within_kv` puts the cache inside a bounded KV cache (`--kv-cache-tokens`): it may
+  hold only the blocks the running sequences leave free (see docs/mock-backend.md).
 """
 
 from __future__ import annotations
@@ -29,13 +32,19 @@ __all__ = [
     "Lookup",
     "PrefixCache",
     "block_hashes",
+    "capacity_within_kv",
+    "tokens_per_block",
     "ttft_ms",
+    "uncached_tokens",
 ]
 
 # 64 characters is about 16 tokens at the mock's four characters a token (vLLM's default block
 # size is 16 tokens).
 DEFAULT_BLOCK_CHARS = 64
 DEFAULT_SPEEDUP = 0.9
+
+# The mock's token estimate (`stargate.mock.shapes.estimate_tokens`): four characters a token.
+CHARS_PER_TOKEN = 4
 
 _DIGEST_BYTES = 16
 _ROOT = bytes(_DIGEST_BYTES)
@@ -79,6 +88,31 @@ def ttft_ms(base_ms: float, hit_fraction: float, speedup: float) -> float:
     `speedup` in [0, 1] is the share of `base_ms` a fully cached prompt saves.
     """
     return base_ms * (1.0 - hit_fraction * speedup)
+
+
+def uncached_tokens(prompt_tokens: int, lookup: Lookup) -> int:
+    """The prompt tokens left to prefill: `ceil(prompt_tokens * (1 - hit_fraction))`.
+
+    Computed on integers (`hit_chars` and `prompt_chars`), so a whole number of uncached tokens
+    never turns into one more through a rounding error; an empty prompt is all uncached.
+    """
+    if lookup.prompt_chars == 0:
+        return prompt_tokens
+    missed = lookup.prompt_chars - lookup.hit_chars
+    return -(-prompt_tokens * missed // lookup.prompt_chars)
+
+
+def tokens_per_block(block_chars: int) -> int:
+    """The KV tokens one cache block takes: `ceil(block_chars / 4)`, at least 1."""
+    return max(1, -(-block_chars // CHARS_PER_TOKEN))
+
+
+def capacity_within_kv(blocks: int, block_chars: int, kv_free_tokens: int | None) -> int:
+    """The cache's effective capacity in blocks: `blocks` (0 = off stays 0), lowered to the
+    whole blocks that fit in `kv_free_tokens` when the KV cache is bounded (None = unbounded)."""
+    if blocks == 0 or kv_free_tokens is None:
+        return blocks
+    return min(blocks, max(0, kv_free_tokens) // tokens_per_block(block_chars))
 
 
 class PrefixCache:

@@ -25,6 +25,7 @@ __all__ = [
     "completion_cache_text",
     "completion_chunk",
     "completion_usage_chunk",
+    "context_too_long",
     "dumps",
     "embedding_inputs",
     "embedding_vector",
@@ -82,7 +83,25 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class RequestError(ValueError):
-    """A request the mock refuses with 400 and an OpenAI-style `invalid_request_error`."""
+    """A request the mock refuses with 400 and an OpenAI-style `invalid_request_error`; `code`
+    goes in the error object's `code` (OpenAI's, e.g. `context_length_exceeded`)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def context_too_long(capacity: int, prompt_tokens: int, output_tokens: int) -> RequestError:
+    """The 400 of a request whose KV reservation exceeds the whole KV cache (vLLM's wording, so
+    a client that recognises "maximum context length" recognises this too)."""
+    total = prompt_tokens + output_tokens
+    message = (
+        f"This model's maximum context length is {capacity} tokens (the size of the mock's KV "
+        f"cache). However, you requested {total} tokens ({prompt_tokens} in the prompt, "
+        f"{output_tokens} in the completion): the prompt is too long for the KV cache. Please "
+        "reduce the length of the prompt or the completion."
+    )
+    return RequestError(message, "context_length_exceeded")
 
 
 def dumps(payload: Any) -> bytes:
@@ -288,8 +307,10 @@ def chat_chunk(
     finish_reason: str | None = None,
     *,
     include_usage: bool = False,
+    usage_so_far: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk` (with `usage: null` when the client asked for usage)."""
+    """One `chat.completion.chunk`: with `usage: null` when the client asked for usage, or the
+    usage so far (vLLM's `continuous_usage_stats`) when `usage_so_far` is given."""
     chunk: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -297,7 +318,9 @@ def chat_chunk(
         "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
-    if include_usage:
+    if usage_so_far is not None:
+        chunk["usage"] = usage_so_far
+    elif include_usage:
         chunk["usage"] = None
     return chunk
 
@@ -338,8 +361,9 @@ def completion_chunk(
     finish_reason: str | None = None,
     *,
     include_usage: bool = False,
+    usage_so_far: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """One streamed `text_completion` chunk."""
+    """One streamed `text_completion` chunk (`usage` as in `chat_chunk`)."""
     chunk: dict[str, Any] = {
         "id": response_id,
         "object": "text_completion",
@@ -347,7 +371,9 @@ def completion_chunk(
         "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
-    if include_usage:
+    if usage_so_far is not None:
+        chunk["usage"] = usage_so_far
+    elif include_usage:
         chunk["usage"] = None
     return chunk
 
