@@ -66,6 +66,7 @@ from stargate.proxy.retry import (
     UpstreamHead,
     decide_response,
     decide_transport_failure,
+    expired,
     record,
 )
 from stargate.routing import (
@@ -412,6 +413,9 @@ class Forwarder:
                 if eligible and wait_deadline is not None and now < wait_deadline:
                     await trio.sleep(min(wait_deadline - now, self._rng.uniform(0.001, 0.009)))
                     continue
+                if not expired(state.budget_deadline, now) and state.waive_queue_check():
+                    self._metrics.count_retry(model, "queue_check_waived", routing_key)
+                    continue
                 if (
                     not clusters
                     and not self._routing.is_advertised(target)
@@ -507,7 +511,11 @@ class Forwarder:
                 # attempt waited): no longer a candidate. Nothing is sent, so no retry is spent.
                 state.failed_backends.add(backend.inference_server_id)
                 continue
-            headers = _attempt_headers(request.headers, cluster, request.priority)
+            headers = (
+                request.headers
+                if state.queue_check_waived
+                else _attempt_headers(request.headers, cluster, request.priority)
+            )
             attempt: AttemptSpan | None = None
             if context.trace is not None:  # its context replaces the client's traceparent
                 attempt = context.trace.start_attempt(server_id, cluster.cluster_id, backend.url)
@@ -613,6 +621,8 @@ class Forwarder:
                 return LocalError(_backends_full(request))
             if response is not None:
                 await response.aclose()
+            if decision.action is Action.RESEND_WITHOUT_QUEUE_CHECK:
+                continue  # this cluster again (the backend is not excluded), without the check
             if decision.action is Action.SIBLING:
                 continue  # a sibling first, then another cluster
             return None  # Action.OTHER_CLUSTER: choose again with this cluster excluded

@@ -64,10 +64,28 @@ class Attempts:
     connect_retries: int = 0
     request_retries: int = 0
     budget_deadline: float | None = None
+    mismatched: dict[str, str] = field(default_factory=dict)
+    """Backend id -> cluster id of the backends that answered a queue-estimate mismatch."""
+    queue_check_waived: bool = False
+    """The last resort was taken: attempts go without `x-stargate-expected-queue-ms`."""
 
     @property
     def failed_any(self) -> bool:
         return bool(self.failed_backends or self.failed_clusters)
+
+    def waive_queue_check(self) -> bool:
+        """The last resort of a queue-estimate mismatch (docs/data-plane.md, Retries): once no
+        other candidate is left, the backends that answered one become candidates again and the
+        request is sent without an expected queue time, which a Pylon accepts. The mismatch says
+        "another backend may be better", not "I cannot take it". False when there is nothing to
+        waive (no mismatch, or already waived)."""
+        if self.queue_check_waived or not self.mismatched:
+            return False
+        self.queue_check_waived = True
+        self.failed_backends -= self.mismatched.keys()
+        self.failed_clusters -= set(self.mismatched.values())
+        self.mismatched.clear()
+        return True
 
 
 class FailureKind(enum.Enum):
@@ -113,6 +131,9 @@ class Action(enum.Enum):
     UNAVAILABLE = "unavailable"  # return the local 503: every candidate is at its connection cap
     SIBLING = "sibling"  # exclude this backend; a sibling in the cluster next, else re-balance
     OTHER_CLUSTER = "other_cluster"  # exclude the whole cluster and run the balancer again
+    # The same backend again, without an expected queue time: a queue-estimate mismatch when no
+    # request retry is left (`Attempts.waive_queue_check`).
+    RESEND_WITHOUT_QUEUE_CHECK = "resend_without_queue_check"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +215,9 @@ def decide_response(
     """A response head arrived: pass it through, or retry it (docs/data-plane.md, Retries).
 
     A queue-estimate mismatch moves to a sibling backend, any other retry reason to another
-    cluster.
+    cluster. A mismatch with no request retry left is sent once more to the same backend without
+    an expected queue time (the last resort, `Attempts.waive_queue_check`; not when the retry
+    budget is out, which is the client's own limit).
     """
     release = is_queue_estimate_mismatch(head)
     reason = retry_reason(head, policy.require_pylon_retry_signal)
@@ -205,6 +228,12 @@ def decide_response(
             Action.RESPOND, exhausted_reason="retry_budget_exhausted", release_reservation=release
         )
     if attempts.request_retries >= policy.max_request_retries:
+        if release and not attempts.queue_check_waived:
+            return Decision(
+                Action.RESEND_WITHOUT_QUEUE_CHECK,
+                retry_reason="queue_check_waived",
+                release_reservation=True,
+            )
         return Decision(Action.RESPOND, exhausted_reason=reason, release_reservation=release)
     action = Action.SIBLING if reason == QUEUE_ESTIMATE_MISMATCH else Action.OTHER_CLUSTER
     return Decision(action, retry="request", retry_reason=reason, release_reservation=release)
@@ -225,5 +254,9 @@ def record(attempts: Attempts, decision: Decision, backend_id: str, cluster_id: 
         attempts.request_retries += 1
     if decision.action is Action.SIBLING:
         attempts.failed_backends.add(backend_id)
+        if decision.retry_reason == QUEUE_ESTIMATE_MISMATCH:
+            attempts.mismatched[backend_id] = cluster_id
     elif decision.action is Action.OTHER_CLUSTER:
         attempts.failed_clusters.add(cluster_id)
+    elif decision.action is Action.RESEND_WITHOUT_QUEUE_CHECK:
+        attempts.queue_check_waived = True

@@ -189,6 +189,13 @@ def test_upstream_responses(
         expected = Decision(
             Action.RESPOND, exhausted_reason="retry_budget_exhausted", release_reservation=release
         )
+    elif not retries_left and release:
+        # The last resort of an explicit mismatch: the same backend, without the queue check.
+        expected = Decision(
+            Action.RESEND_WITHOUT_QUEUE_CHECK,
+            retry_reason="queue_check_waived",
+            release_reservation=True,
+        )
     elif not retries_left:
         expected = Decision(Action.RESPOND, exhausted_reason=retry, release_reservation=release)
     else:
@@ -286,3 +293,43 @@ def test_a_request_runs_out_of_connect_retries_after_max() -> None:
         record(attempts, decision, backend, "cluster")
     assert actions == [Action.SIBLING, Action.SIBLING, Action.FAIL]
     assert attempts.failed_backends == {"a", "b"}
+
+
+def test_a_mismatch_with_no_retry_left_is_resent_once_then_passed_through() -> None:
+    """The last resort is taken once per request: a second mismatch after it is final."""
+    head = UpstreamHead(429, b"true", b"queue_estimate_mismatch")
+    attempts = _attempts("none", connect=MAX, request=MAX)
+    first = decide(attempts, head, _policy(True), NOW)
+    assert first.action is Action.RESEND_WITHOUT_QUEUE_CHECK
+    record(attempts, first, "b1", "c1")
+    assert attempts.queue_check_waived
+    assert attempts.request_retries == MAX  # the resend spends no request retry
+    second = decide(attempts, head, _policy(True), NOW)
+    assert second == Decision(
+        Action.RESPOND, exhausted_reason=QUEUE_ESTIMATE_MISMATCH, release_reservation=True
+    )
+
+
+def test_waiving_restores_the_mismatched_backends_and_their_clusters_only() -> None:
+    attempts = Attempts()
+    mismatch = Decision(
+        Action.SIBLING,
+        retry="request",
+        retry_reason=QUEUE_ESTIMATE_MISMATCH,
+        release_reservation=True,
+    )
+    record(attempts, mismatch, "b1", "c1")
+    record(attempts, Decision(Action.SIBLING, retry="connect"), "b2", "c2")
+    attempts.failed_clusters |= {"c1", "c2"}
+    assert attempts.mismatched == {"b1": "c1"}
+    assert attempts.waive_queue_check()
+    assert attempts.failed_backends == {"b2"}
+    assert attempts.failed_clusters == {"c2"}
+    assert attempts.queue_check_waived
+    assert not attempts.waive_queue_check()  # once per request
+
+
+def test_nothing_to_waive_without_a_mismatch() -> None:
+    attempts = Attempts(failed_backends={"b1"}, failed_clusters={"c1"})
+    assert not attempts.waive_queue_check()
+    assert attempts.failed_backends == {"b1"} and not attempts.queue_check_waived

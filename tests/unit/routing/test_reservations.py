@@ -380,6 +380,7 @@ class _Pool:
         self.state = state
         self.script = script
         self.seen: list[tuple[str, dict[str, int]]] = []
+        self.expected: list[bytes | None] = []  # each attempt's x-stargate-expected-queue-ms
 
     async def request(
         self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes = b""
@@ -388,6 +389,9 @@ class _Pool:
         assert snapshot is not None
         queues = {c.cluster_id: c.stats.queue_size for c in snapshot.clusters}
         self.seen.append((url.split("/")[3], queues))  # the backend id in its URL
+        self.expected.append(
+            next((v for k, v in headers if k == b"x-stargate-expected-queue-ms"), None)
+        )
         step = self.script.pop(0)
         if isinstance(step, Exception):
             raise step
@@ -456,11 +460,18 @@ async def test_other_retries_and_failures_keep_their_reservations() -> None:
     assert sum(c.stats.queue_size for c in snapshot.clusters) == 3
 
 
-async def test_mismatch_on_the_only_backend_is_released_before_the_cluster_fails() -> None:
+async def test_mismatch_on_the_only_backend_is_released_then_resent_without_the_check() -> None:
+    """One backend: the mismatch is released and retried, no sibling is left, so the last resort
+    sends the request to the same backend again without an expected queue time (the Pylon
+    accepts it) instead of answering 503 while that backend has room."""
     state = RoutingState()
-    state.apply(state.begin(_identity("a")), {"m": _route()})
-    pool = _Pool(state, [_retryable(429, "queue_estimate_mismatch")])
+    state.apply(state.begin(_identity("a")), {"m": _route(last_mean_input_tps=100.0)})
+    pool = _Pool(state, [_retryable(429, "queue_estimate_mismatch"), _Response(200)])
     result = await _forwarder(state, pool).forward(_request(), AlgorithmSpec(), b"{}")
-    # One backend: the mismatch is retried, no sibling is left, the cluster fails: bare 503.
-    assert not isinstance(result, Forwarded)
-    assert _cluster(state).stats.queue_size == 0  # released
+    assert isinstance(result, Forwarded)
+    assert [backend for backend, _ in pool.seen] == ["a", "a"]
+    # The first attempt carried the estimate, the resend none; the first reservation was
+    # released before the resend made its own.
+    assert [queues["c"] for _, queues in pool.seen] == [1, 1]
+    assert pool.expected == [b"0", None]
+    assert _cluster(state).stats.queue_size == 1  # the resend's own, until the next heartbeat
