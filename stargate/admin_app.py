@@ -15,6 +15,7 @@ slashes answered `/v1/models/%2Fm` with a 308 to another model's URL and an HTML
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,7 +127,40 @@ def create_admin_app(
             """Operator view: effective listener config and every active model id (no secrets)."""
             return {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
 
+        @app.get("/debug/routing")
+        async def debug_routing() -> dict[str, Any]:
+            """Operator view: every routable target's clusters and backends with the stats the
+            load balancers see (pending reservations applied; docs/pylon-data-path.md). Backends
+            by id only: like /debug/state it shows no backend URL."""
+            return {"targets": [_target_view(routing, target) for target in routing.targets()]}
+
     return app
+
+
+def _target_view(routing: RoutingState, target: RoutingTargetKey) -> dict[str, Any]:
+    snapshot = routing.snapshot(target)
+    clusters = [] if snapshot is None else snapshot.clusters
+    return {
+        "routing_key": target.routing_key,
+        "model_id": target.model_id,
+        "clusters": [
+            {
+                "cluster_id": cluster.cluster_id,
+                "rtt_ms": round(cluster.rtt_seconds * 1000, 3),
+                "input_tps_estimated": cluster.input_tps_estimated,
+                "stats": dataclasses.asdict(cluster.stats),
+                "backends": [
+                    {
+                        "inference_server_id": backend.inference_server_id,
+                        "rtt_ms": round(backend.rtt_ns / 1e6, 3),
+                        "stats": dataclasses.asdict(backend.stats),
+                    }
+                    for backend in cluster.backends
+                ],
+            }
+            for cluster in clusters
+        ],
+    }
 
 
 class _ModelIdConverter(PathConverter):

@@ -18,6 +18,7 @@ import click
 
 from stargate import __version__
 from stargate.clitools import (
+    LISTEN_ADDRESS,
     POSITIVE_INT,
     comma_list,
     log_format_option,
@@ -43,7 +44,6 @@ from stargate.config import (
     TlsConfig,
     TracingConfig,
     WarmupConfig,
-    parse_listen_address,
     validate_metrics_prefix,
 )
 from stargate.logs import configure_logging
@@ -53,23 +53,6 @@ __all__ = ["main"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class ListenAddressType(click.ParamType[ListenAddress]):
-    """An `IP:port` listen address (`[v6]:port` for IPv6)."""
-
-    name = "IP:PORT"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> ListenAddress:
-        if isinstance(value, ListenAddress):
-            return value
-        try:
-            return parse_listen_address(str(value))
-        except ConfigError as error:
-            self.fail(str(error), param, ctx)
-
-
-LISTEN_ADDRESS = ListenAddressType()
 NON_NEGATIVE_INT = click.IntRange(min=0)
 PORT = click.IntRange(min=0, max=65535)
 

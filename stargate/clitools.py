@@ -2,7 +2,7 @@
 
 Every option shows its environment variable and default in `--help`; every command logs the same
 way (`--log-level` and `--log-format`, applied by `stargate/logs.py`). Parts of the package may use
-these helpers; nothing here imports a part.
+these helpers; nothing here imports a part but the config's address parser.
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ from typing import Any, ClassVar, TypeVar
 
 import click
 
+from stargate.config import ConfigError, ListenAddress, parse_listen_address
+
 __all__ = [
+    "LISTEN_ADDRESS",
     "POSITIVE_INT",
+    "ListenAddressType",
     "PositiveInt",
     "SectionedCommand",
     "comma_list",
@@ -39,6 +43,25 @@ class PositiveInt(click.ParamType[int]):
 
 
 POSITIVE_INT = PositiveInt()
+
+
+class ListenAddressType(click.ParamType[ListenAddress]):
+    """An `IP:port` listen address (`[v6]:port` for IPv6)."""
+
+    name = "IP:PORT"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> ListenAddress:
+        if isinstance(value, ListenAddress):
+            return value
+        try:
+            return parse_listen_address(str(value))
+        except ConfigError as error:
+            self.fail(str(error), param, ctx)
+
+
+LISTEN_ADDRESS = ListenAddressType()
 
 
 class SectionedCommand(click.Command):

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 import trio
@@ -30,6 +30,18 @@ __all__ = ["DemoConfig", "run_demo"]
 DEMO_MODEL = "demo-model"
 STATUS_INTERVAL = 0.25
 STOP_GRACE_SECONDS = 10.0
+STATS_INTERVAL = 2.0
+
+
+def stats_line(stats: dict[str, Any], estimated: bool) -> str:
+    """One backend's `ModelStats` in a line (rounded, so it changes only when they do)."""
+    tps = stats["last_mean_input_tps"]
+    measured = "not measured yet" if estimated or not tps else f"{tps:,.0f} tok/s"
+    return (
+        f"input {measured}, output {stats['output_tps']:,.1f} tok/s, "
+        f"queue {stats['queue_size']} ({stats['queued_input_size']} tokens), "
+        f"running {stats['num_running_queries']}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +95,12 @@ class Demo:
                 "mock-backend",
                 "--port=0",
                 f"--model={DEMO_MODEL}",
-                "--inter-token-ms=40",
+                # A small batching engine: 4 running slots and a queue, prefill time per prompt
+                # token, 40 ms a token; engine 1 is half as fast, so the routing shows.
+                "--max-num-seqs=4",
+                f"--ttft-ms={30 * (index + 1)}",
+                f"--prefill-ms-per-token={0.2 * (index + 1)}",
+                f"--inter-token-ms={40 * (index + 1)}",
                 "--tokens=24",
                 "--log-level=warning",
             ),
@@ -155,8 +172,12 @@ class Demo:
         )
         self.say()
         await self.show_warmup()
-        self.say("Press Ctrl-C to stop.")
-        await self.watch_children()
+        self.say("Press Ctrl-C to stop. What the replica's load balancers see of each engine")
+        self.say("(measured by its Pylon, in the request path), whenever it changes:")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.show_stats)
+            await self.watch_children()
+            nursery.cancel_scope.cancel()
 
     async def show_warmup(self) -> None:
         """One live line while warming up, then the promotion."""
@@ -189,6 +210,25 @@ class Demo:
                     )
                 print(f"\r\x1b[K{line}", end="", file=self.out, flush=True)
                 await trio.sleep(STATUS_INTERVAL)
+
+    async def show_stats(self) -> None:
+        """Print each backend's stats (from `/debug/routing`) when they change."""
+        shown: dict[str, str] = {}
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=2) as client:
+            while True:
+                try:
+                    targets = (await client.get("/debug/routing")).json()["targets"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    targets = []
+                for target in targets:
+                    for cluster in target["clusters"]:
+                        for backend in cluster["backends"]:
+                            name = backend["inference_server_id"]
+                            line = stats_line(backend["stats"], cluster["input_tps_estimated"])
+                            if shown.get(name) != line:
+                                shown[name] = line
+                                self.say(f"  {name}  {line}")
+                await trio.sleep(STATS_INTERVAL)
 
     async def watch_children(self) -> None:
         """Return if any child exits on its own (the demo cannot go on without it)."""

@@ -12,20 +12,32 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stargate.addresses import canonical_host, format_host_port, ip_literal, is_host_name
+from stargate.config import ListenAddress
 from stargate.health_probe import DEFAULT_HEALTH_PATHS
+from stargate.pylon.bringup import CalibrationConfig
+from stargate.pylon.stats.admission import AdmissionConfig
 
 __all__ = [
     "DEFAULT_HEALTH_PATHS",
+    "DEFAULT_LISTEN_ADDR",
     "DEFAULT_STARGATE_PORT",
+    "ENGINE_STATS_STREAM_MODES",
+    "UPSTREAM_BACKENDS",
+    "BringupConfig",
     "DialTarget",
     "PylonConfig",
     "PylonConfigError",
+    "RequestPathConfig",
+    "SideChannelConfig",
     "default_inference_server_id",
     "parse_dial_target",
     "parse_upstream_url",
 ]
 
 DEFAULT_STARGATE_PORT = 50071
+DEFAULT_LISTEN_ADDR = ListenAddress("127.0.0.1", 0)
+ENGINE_STATS_STREAM_MODES = ("auto", "required", "off")
+UPSTREAM_BACKENDS = ("dynamo", "none")
 
 
 class PylonConfigError(ValueError):
@@ -110,9 +122,100 @@ def upstream_port(url: str) -> int:
     return parts.port or (443 if parts.scheme.lower() == "https" else 80)
 
 
+def advertise_host(listen_host: str) -> str:
+    """The host to register for a listener bound to `listen_host`: itself, or for a wildcard
+    (0.0.0.0, ::) the address this host's name resolves to (loopback when it resolves to
+    nothing else): a Pod's hostname resolves to its Pod IP."""
+    if listen_host not in ("0.0.0.0", "::"):
+        return listen_host
+    family = socket.AF_INET6 if listen_host == "::" else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        address = str(info[4][0])
+        if not address.startswith("127.") and address != "::1":
+            return address
+    return "::1" if listen_host == "::" else "127.0.0.1"
+
+
 def default_inference_server_id(upstream_url: str) -> str:
     """`<hostname>:<upstream port>`: stable across restarts, unique per engine on one host."""
     return f"{socket.gethostname()}:{upstream_port(upstream_url)}"
+
+
+def parse_advertise_url(text: str) -> str:
+    """The URL the Pylon registers (`--advertise-url`): `http(s)://host:port`, no path."""
+    url = parse_upstream_url(text)
+    parts = urlsplit(url)
+    if parts.path not in ("", "/"):
+        raise PylonConfigError(f"{text!r}: the advertise URL must not have a path")
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPathConfig:
+    """The Pylon in the request path: its listener, what it registers, and how it forwards
+    (docs/pylon-data-path.md)."""
+
+    listen_addr: ListenAddress = DEFAULT_LISTEN_ADDR
+    advertise_url: str | None = None
+    """Registered as `inference_server_url`; None: `http://<listen address>` (a wildcard listen
+    host is replaced by this host's address, `advertise_host`)."""
+    upstream_backend: str = "dynamo"
+    priority_ceiling: int = 3600
+    require_streaming: bool = False
+    local_connect_failures_retryable: bool = False
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        if self.upstream_backend not in UPSTREAM_BACKENDS:
+            raise PylonConfigError(
+                f"upstream backend must be one of {', '.join(UPSTREAM_BACKENDS)}, "
+                f"got {self.upstream_backend!r}"
+            )
+        if not 0 <= self.priority_ceiling <= 2**32 - 1:
+            raise PylonConfigError("the priority ceiling must be from 0 to 4294967295")
+
+
+@dataclass(frozen=True, slots=True)
+class SideChannelConfig:
+    """What the Pylon reads from its engine besides the requests (docs/pylon-data-path.md)."""
+
+    engine_stats_stream: str = "auto"
+    engine_stats_stream_path: str = "/pylon/v1/stats/stream"
+    kv_cache_stats_path: str | None = None
+    engine_metrics_path: str | None = "/metrics"
+
+    def __post_init__(self) -> None:
+        if self.engine_stats_stream not in ENGINE_STATS_STREAM_MODES:
+            raise PylonConfigError(
+                f"engine stats stream mode must be one of {', '.join(ENGINE_STATS_STREAM_MODES)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class BringupConfig:
+    """How a model's input TPS is known before it is advertised, and the canaries."""
+
+    initial_input_tps: float | None = None
+    pin_input_tps: bool = False
+    do_calibration: bool = False
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    canary_interval_ms: int = 5000
+    canary_timeout_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        tps = self.initial_input_tps
+        if tps is not None and not (tps > 0 and tps != float("inf")):
+            raise PylonConfigError("the initial input TPS must be a finite number > 0")
+        if tps is not None and self.do_calibration:
+            raise PylonConfigError("an initial input TPS and calibration exclude each other")
+        if self.pin_input_tps and tps is None:
+            raise PylonConfigError("pinning the input TPS needs an initial input TPS")
+        if self.canary_interval_ms < 0 or self.canary_timeout_ms <= 0:
+            raise PylonConfigError("canary interval must be >= 0 and canary timeout > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +241,9 @@ class PylonConfig:
     stargate_ca_file: Path | None = None
     """PEM CA certificates that sign the replicas' TLS certificates: with it every channel to a
     replica (seeds and discovered ones alike) uses TLS with these roots (docs/tls.md)."""
+    request_path: RequestPathConfig = field(default_factory=RequestPathConfig)
+    side_channels: SideChannelConfig = field(default_factory=SideChannelConfig)
+    bringup: BringupConfig = field(default_factory=BringupConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", parse_upstream_url(self.upstream_url))

@@ -1,7 +1,14 @@
-"""The Pylon sidecar: keep one inference engine registered with every Stargate replica.
+"""The Pylon sidecar: one inference engine behind every Stargate replica, in the request path.
 
-Task tree (one trio nursery, `Pylon.run`):
+Task tree (`Pylon.run`): an outer nursery serves the listener (`listener.py`, `hop.py`: the
+replicas' requests, forwarded to the engine and measured into `stats`); inside it, the control
+nursery holds everything else, so a graceful stop (`Pylon.stop`) cancels the control nursery
+first (every registration closes: the replicas stop routing here) and only then lets the listener
+drain its requests in flight:
 
+- the side channels (`collector.py`): the stale sweep, the engine stats stream, KV polling or
+  the engine's metrics;
+- bring-up (`bringup.py`): a calibration per new model when `--do-calibration`, the canaries;
 - a health loop probing the engine every heartbeat (`http_health_probe` semantics);
 - with no explicit `--model-name`, a loop re-reading the engine's `GET /v1/models`;
 - one watch task per WatchStargates key: the seeds and, recursively, every `watch_stargate_urls`
@@ -13,9 +20,10 @@ Task tree (one trio nursery, `Pylon.run`):
   seen down, accepts connections again;
 - one registration task per replica listed by a kept snapshot, kept while its stream is up
   even when no snapshot lists it any more (a leaving replica): a `RegisterInferenceServer`
-  stream that sends the full snapshot at once, every heartbeat, and as soon as the engine's
-  health or model set changes. It reconnects after a capped, jittered exponential backoff (the
-  initial 0.1 s after a graceful, OK end), and early when the replica re-appears in a snapshot
+  stream that sends the full snapshot (every admitted model with its stats) at once, every
+  heartbeat, and as soon as the engine's health, a canary or the model set changes. It
+  reconnects after a capped, jittered exponential backoff (the initial 0.1 s after a graceful,
+  OK end), and early when the replica re-appears in a snapshot
   or, seen refusing connections, accepts them again (TCP probes every `RECONNECT_POLL_SECONDS`).
   A replica is dropped only when no latest snapshot lists it and its stream is gone.
 
@@ -26,7 +34,9 @@ cancels its call and joins its thread (bounded), so SIGTERM ends every stream pr
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +46,7 @@ import grpc
 import httpx
 import trio
 
+from stargate.addresses import format_host_port
 from stargate.health_probe import ProbeFailed, http_health_probe, httpx_get
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
@@ -47,7 +58,16 @@ from stargate.pylon.backoff import (
     RecoveryDetector,
 )
 from stargate.pylon.bridge import Outbox, ResponseReader, StreamEnded
-from stargate.pylon.config import DialTarget, PylonConfig
+from stargate.pylon.bringup import calibrate, run_canary
+from stargate.pylon.collector import (
+    engine_metrics_loop,
+    engine_stream_loop,
+    kv_cache_loop,
+    sweep_loop,
+)
+from stargate.pylon.config import DialTarget, PylonConfig, advertise_host
+from stargate.pylon.hop import HopConfig, PylonHop
+from stargate.pylon.listener import PylonApp
 from stargate.pylon.snapshot import (
     ReplicaInfo,
     WatchResult,
@@ -62,6 +82,8 @@ from stargate.pylon.snapshot import (
     split_host_port,
     watch_candidates,
 )
+from stargate.pylon.stats.aggregator import StatsAggregator, StatsConfig
+from stargate.upstream import ConnectionPool, UpstreamConfig
 
 __all__ = [
     "HEARTBEAT_METADATA",
@@ -91,6 +113,23 @@ HALF_CLOSE_GRACE_SECONDS = 0.5
 """On a deliberate close, how long the replica may take to end the stream after the half-close
 before the call is cancelled."""
 UPSTREAM_WAIT_POLL_SECONDS = 0.25
+DRAIN_SECONDS = 30.0
+"""On a graceful stop, how long requests in flight through the Pylon may take to finish once the
+registrations are closed."""
+CALIBRATION_RETRY_SECONDS = 1.0
+ENGINE_CONNECT_TIMEOUT_SECONDS = 5.0
+ENGINE_MAX_CONNECTIONS = 4096
+"""Connections to the engine, so concurrent requests (each holds one to its end): an engine
+batches hundreds of sequences, and every replica forwards through this one Pylon."""
+
+
+def _listener_error_log() -> logging.Logger:
+    return logging.getLogger("stargate.pylon.listener")
+
+
+async def _stop_when(stop: trio.Event, scope: trio.CancelScope) -> None:
+    await stop.wait()
+    scope.cancel()
 
 
 def _probe_timeout(config: PylonConfig) -> float:
@@ -223,12 +262,29 @@ class _Task:
 
 
 class Pylon:
-    """One sidecar's state and tasks; `run` is the whole program."""
+    """One sidecar's state and tasks; `run` is the whole program.
+
+    Models go through two sets: `models` are the engine's (the flag, or `GET /v1/models`), each
+    with its stats state; `admitted` are those whose bring-up (calibration, when on) succeeded,
+    the only ones advertised. A model whose canary fails stays advertised but INACTIVE."""
 
     def __init__(self, config: PylonConfig) -> None:
         self.config = config
         self.models: tuple[str, ...] = tuple(sorted(set(config.model_names)))
+        self.admitted: set[str] = set()
+        self.canary_failing: set[str] = set()
         self.healthy = False
+        bringup = config.bringup
+        self.stats = StatsAggregator(
+            StatsConfig(
+                initial_input_tps=bringup.initial_input_tps,
+                pin_input_tps=bringup.pin_input_tps,
+                fallback_from_start=config.side_channels.engine_stats_stream == "off",
+            ),
+            unix_ms=lambda: int(time.time() * 1000),
+        )
+        self.url = config.request_path.advertise_url or ""
+        """The URL registered as `inference_server_url` (known once the listener is bound)."""
         self._changed = trio.Event()
         self._results: dict[DialTarget, WatchResult] = {}
         self._watches: dict[DialTarget, _Task] = {}
@@ -237,9 +293,12 @@ class Pylon:
         self._registered: set[ReplicaInfo] = set()
         self._listed: frozenset[ReplicaInfo] = frozenset()  # the union of the kept snapshots
         self._nursery: trio.Nursery | None = None
+        self._pool: ConnectionPool | None = None
+        self._bringing_up: set[str] = set()
         self._token: str | None = None
         self._models_failing = False
         self._credentials = stargate_credentials(config.stargate_ca_file)
+        self._stop = trio.Event()
 
     # ------------------------------------------------------------------ public state
 
@@ -254,43 +313,187 @@ class Pylon:
         return frozenset(self._registered)
 
     def registration(self) -> pb.InferenceServerRegistration:
+        now = trio.current_time()
         return build_registration(
             inference_server_id=self.config.inference_server_id,
-            inference_server_url=self.config.upstream_url,
+            inference_server_url=self.url,
             cluster_id=self.config.cluster_id,
-            models=self.models,
-            healthy=self.healthy,
-            now_unix_ms=int(time.time() * 1000),
+            models={
+                model: (
+                    self.stats.snapshot(model, now),
+                    self.healthy and model not in self.canary_failing,
+                )
+                for model in self.models
+                if model in self.admitted
+            },
         )
+
+    def stop(self) -> None:
+        """Begin a graceful stop: close every registration (the replicas stop routing here at
+        once), then let the requests in flight finish (at most `DRAIN_SECONDS`) and return."""
+        self._stop.set()
 
     def _notify_changed(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
+    def _pending(self, model: str) -> bool:
+        """A model of the engine's that is not admitted yet (its bring-up is running)."""
+        return model in self.models and model not in self.admitted
+
     # ------------------------------------------------------------------ main
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # Imported here so that `stargate --help` does not pay for Hypercorn's imports.
+        from stargate.serving import bind_listener, bound_address, hypercorn_config, serve_asgi
+
         config = self.config
-        log.info(
-            "pylon %r for %s: seeds %s, %s, heartbeat %d ms",
-            config.inference_server_id,
-            config.upstream_url,
-            ", ".join(str(seed) for seed in config.stargates),
-            f"models {list(self.models)}" if self.models else "models from GET /v1/models",
-            config.min_update_interval_ms,
-        )
-        timeout = _probe_timeout(config)
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            await self._wait_for_upstream(client)
-            if not config.model_names:
-                await self._refresh_models(client)
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._health_loop, client)
-                if not config.model_names:
-                    nursery.start_soon(self._model_loop, client)
-                self._reconcile()
-                task_status.started()
+        path = config.request_path
+        sock = bind_listener("pylon", path.listen_addr)
+        try:
+            bound = bound_address(sock)
+            if not self.url:
+                self.url = f"http://{format_host_port(advertise_host(bound.host), bound.port)}"
+            log.info(
+                "pylon %r for %s: listening on %s, registered as %s; seeds %s, %s, heartbeat %d ms",
+                config.inference_server_id,
+                config.upstream_url,
+                bound,
+                self.url,
+                ", ".join(str(seed) for seed in config.stargates),
+                f"models {list(self.models)}" if self.models else "models from GET /v1/models",
+                config.min_update_interval_ms,
+            )
+            upstream = UpstreamConfig(
+                connect_timeout=ENGINE_CONNECT_TIMEOUT_SECONDS,
+                response_head_timeout=math.inf,  # a non-streamed answer's head comes at its end
+                max_connections_per_origin=ENGINE_MAX_CONNECTIONS,
+                max_idle_per_origin=ENGINE_MAX_CONNECTIONS,
+            )
+            hop_config = HopConfig(
+                upstream_url=config.upstream_url,
+                health_paths=config.upstream_health_paths,
+                upstream_backend=path.upstream_backend,
+                priority_ceiling=path.priority_ceiling,
+                require_streaming=path.require_streaming,
+                local_connect_failures_retryable=path.local_connect_failures_retryable,
+                admission=path.admission,
+            )
+            timeout = _probe_timeout(config)
+            async with (
+                httpx.AsyncClient(timeout=timeout) as client,
+                ConnectionPool(upstream) as pool,
+                trio.open_nursery() as serving,
+            ):
+                self._pool = pool
+                hop = PylonHop(hop_config, pool, self.stats, pending=self._pending)
+                served = hypercorn_config(DRAIN_SECONDS)
+                served.errorlog = _listener_error_log()
+                draining = trio.Event()
+                await serving.start(serve_asgi, PylonApp(hop), sock, served, draining.wait)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        nursery.start_soon(_stop_when, self._stop, nursery.cancel_scope)
+                        await self._wait_for_upstream(client)
+                        if not config.model_names:
+                            await self._refresh_models(client)
+                        self._models_changed()
+                        self._start_side_channels(nursery, client)
+                        nursery.start_soon(self._health_loop, client)
+                        if not config.model_names:
+                            nursery.start_soon(self._model_loop, client)
+                        if config.bringup.canary_interval_ms > 0:
+                            nursery.start_soon(self._canary_loop, pool)
+                        self._reconcile()
+                        task_status.started()
+                finally:
+                    draining.set()  # the registrations are closed: drain the listener
+        finally:
+            sock.close()
+
+    def _start_side_channels(self, nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+        channels = self.config.side_channels
+        base = self.config.upstream_url
+        nursery.start_soon(sweep_loop, self.stats)
+        if channels.engine_stats_stream != "off":
+            nursery.start_soon(
+                functools.partial(
+                    engine_stream_loop,
+                    client,
+                    base + channels.engine_stats_stream_path,
+                    self.stats,
+                    required=channels.engine_stats_stream == "required",
+                )
+            )
+        if channels.kv_cache_stats_path is not None:
+            path = channels.kv_cache_stats_path.lstrip("/")
+            nursery.start_soon(kv_cache_loop, client, f"{base}/{path}", self.stats)
+        elif channels.engine_metrics_path is not None:
+            nursery.start_soon(
+                engine_metrics_loop, client, base + channels.engine_metrics_path, self.stats
+            )
+
+    # ------------------------------------------------------------------ bring-up
+
+    def _models_changed(self) -> None:
+        """The engine's model set changed: stats state follows it (a model that left starts
+        over when it comes back), and every new model is brought up."""
+        self.stats.set_models(self.models)
+        self.admitted &= set(self.models)
+        self.canary_failing &= set(self.models)
+        for model in self.models:
+            if model in self.admitted or model in self._bringing_up:
+                continue
+            if not self.config.bringup.do_calibration:
+                self.admitted.add(model)
+                continue
+            if self._nursery is not None and self._pool is not None:
+                self._bringing_up.add(model)
+                self._nursery.start_soon(self._calibrate, model, self._pool)
+        self._notify_changed()
+
+    async def _calibrate(self, model: str, pool: ConnectionPool) -> None:
+        """Calibrate `model` until it succeeds (retried every `CALIBRATION_RETRY_SECONDS`), then
+        admit it; gives up if the engine drops the model meanwhile."""
+        generation = 0
+        try:
+            while model in self.models:
+                if await calibrate(
+                    pool,
+                    self.config.upstream_url,
+                    self.stats,
+                    model,
+                    self.config.bringup.calibration,
+                    generation=generation,
+                ):
+                    if model in self.models:
+                        self.admitted.add(model)
+                        self._notify_changed()
+                    return
+                generation += 1
+                await trio.sleep(CALIBRATION_RETRY_SECONDS)
+        finally:
+            self._bringing_up.discard(model)
+
+    async def _canary_loop(self, pool: ConnectionPool) -> None:
+        """Every `--canary-interval-ms`, one canary per admitted model; a failing model is
+        INACTIVE until its canary passes again."""
+        bringup = self.config.bringup
+        while True:
+            for model in sorted(self.admitted):
+                why = await run_canary(
+                    pool, self.config.upstream_url, model, bringup.canary_timeout_ms / 1000
+                )
+                if why is not None and model not in self.canary_failing:
+                    log.warning("canary of %s failed (%s): model now INACTIVE", model, why)
+                    self.canary_failing.add(model)
+                    self._notify_changed()
+                elif why is None and model in self.canary_failing:
+                    log.info("canary of %s passed: model ACTIVE again", model)
+                    self.canary_failing.discard(model)
+                    self._notify_changed()
+            await trio.sleep(bringup.canary_interval_ms / 1000)
 
     # ------------------------------------------------------------------ the engine
 
@@ -348,7 +551,7 @@ class Pylon:
         if models != self.models:
             log.info("upstream models: %s", list(models))
             self.models = models
-            self._notify_changed()
+            self._models_changed()
 
     async def _model_loop(self, client: httpx.AsyncClient) -> None:
         while True:
@@ -659,7 +862,7 @@ class Pylon:
                                 "registered with replica %s as %r (%d models, %s)",
                                 replica.name,
                                 self.config.inference_server_id,
-                                len(self.models),
+                                len(self.admitted),
                                 "ACTIVE" if self.healthy else "INACTIVE",
                             )
                 return StreamEnded(), acked  # pragma: no cover - the reader always sends an end

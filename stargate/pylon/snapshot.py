@@ -30,12 +30,14 @@ from stargate.pylon.config import (
     PylonConfigError,
     parse_dial_target,
 )
+from stargate.routing.stats import ModelStats
 
 __all__ = [
     "ReplicaInfo",
     "WatchResult",
     "build_registration",
     "desired_replicas",
+    "model_stats_message",
     "next_watch_target",
     "parse_model_list",
     "parse_watch_response",
@@ -52,28 +54,48 @@ ACTIVE = pb.INFERENCE_SERVER_STATUS_ACTIVE
 INACTIVE = pb.INFERENCE_SERVER_STATUS_INACTIVE
 
 
+def model_stats_message(stats: ModelStats) -> pb.ModelStats:
+    """The wire form of one model's stats (the fields and their meaning are the same)."""
+    return pb.ModelStats(
+        last_mean_input_tps=stats.last_mean_input_tps,
+        output_tps=stats.output_tps,
+        queue_size=stats.queue_size,
+        queued_input_size=stats.queued_input_size,
+        max_output_tps=stats.max_output_tps,
+        kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens,
+        kv_cache_used_tokens=stats.kv_cache_used_tokens,
+        kv_cache_free_tokens=stats.kv_cache_free_tokens,
+        num_running_queries=stats.num_running_queries,
+        max_engine_concurrency=stats.max_engine_concurrency,
+        total_query_input_size=stats.total_query_input_size,
+        queue_time_estimate_ms_by_priority=dict(stats.queue_time_estimate_ms_by_priority),
+        input_processing_queries=stats.input_processing_queries,
+        output_generation_queries=stats.output_generation_queries,
+        stats_observed_at_unix_ms=stats.stats_observed_at_unix_ms,
+        stats_capabilities=list(stats.stats_capabilities),
+        stats_sources=list(stats.stats_sources),
+    )
+
+
 def build_registration(
     *,
     inference_server_id: str,
     inference_server_url: str,
     cluster_id: str,
-    models: Iterable[str],
-    healthy: bool,
-    now_unix_ms: int,
+    models: Mapping[str, tuple[ModelStats, bool]],
 ) -> pb.InferenceServerRegistration:
-    """The full snapshot sent on every heartbeat: every model ACTIVE while the engine is
-    healthy, INACTIVE otherwise, each with a `ModelStats` (the Pylon knows no engine counters,
-    so everything but the observation time is 0; a missing `stats` would read as INACTIVE)."""
-    status = ACTIVE if healthy else INACTIVE
+    """The full snapshot sent on every heartbeat: each advertised model with its stats and
+    whether it is ACTIVE (the engine healthy and its canary passing) or INACTIVE. Every model
+    carries a `stats` message, since a registration without one reads as INACTIVE."""
     return pb.InferenceServerRegistration(
         inference_server_id=inference_server_id,
         inference_server_url=inference_server_url,
         cluster_id=cluster_id,
         models={
             model_id: pb.InferenceServerModelRegistration(
-                stats=pb.ModelStats(stats_observed_at_unix_ms=now_unix_ms), status=status
+                stats=model_stats_message(stats), status=ACTIVE if active else INACTIVE
             )
-            for model_id in models
+            for model_id, (stats, active) in models.items()
         },
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import grpc
 import httpx
+
+from stargate.protocol import stargate_pb2 as pb
+from stargate.protocol import stargate_pb2_grpc as pb_grpc
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
@@ -161,3 +165,95 @@ def launch_mock_backend(*args: str) -> MockBackendProcess:
         process.kill()
         raise AssertionError(f"mock backend did not start: {line!r}")
     return MockBackendProcess(process, line.split()[-1])
+
+
+class Replica:
+    """A `stargate serve` process and clients for its discovery and HTTP listeners."""
+
+    def __init__(self, log_dir: Path, name: str, *extra: str, ports: Ports | None = None) -> None:
+        self.name = name
+        self.ports = ports or Ports.pick()
+        self.extra = extra
+        self.log_dir = log_dir
+        self.process = self._launch()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.ports.discovery}")
+        self.discovery = pb_grpc.StargateModelDiscoveryStub(self.channel)  # type: ignore[no-untyped-call]
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.ports.http}", timeout=5)
+        self.wait_up()
+
+    def _launch(self) -> StargateProcess:
+        return launch(
+            self.log_dir / f"replica-{self.name}-{self.ports.grpc}.log",
+            "serve",
+            f"--stargate-id={self.name}",
+            *self.ports.args(),
+            "--readiness-warmup-ms=0",
+            "--dns-poll-ms=100",
+            "--watch-heartbeat-ms=1000",
+            *self.extra,
+        )
+
+    def wait_up(self) -> None:
+        wait_until(lambda: self.http.get("/healthz").status_code == 200, 15, f"replica {self.name}")
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    def list_models(self, *model_ids: str) -> list[str]:
+        request = pb.ListModelsRequest(model_ids=list(model_ids))
+        return list(self.discovery.ListModels(request, timeout=5).model_ids)
+
+    def http_models(self) -> list[str]:
+        return list(self.http.get("/v1/models").json()["model_ids"])
+
+    def wait_models(self, expected: list[str], *model_ids: str, timeout: float = 10) -> None:
+        wait_until(
+            lambda: self.list_models(*model_ids) == expected,
+            timeout,
+            f"models {expected} on replica {self.name}",
+        )
+
+    def restart(self) -> None:
+        stop(self.process)
+        self.process = self._launch()
+        self.wait_up()
+
+    def close(self) -> None:
+        self.channel.close()
+        self.http.close()
+        stop(self.process)
+
+
+class PylonProcess:
+    """The Pylon CLI as a subprocess, its log captured to a file."""
+
+    def __init__(self, log_path: Path, *args: str | Path) -> None:
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "from stargate.pylon.cli import pylon_command; pylon_command()",
+                    *args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 10) -> int:
+        """SIGTERM, then wait for the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

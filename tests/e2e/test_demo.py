@@ -1,5 +1,5 @@
-"""`stargate demo` end to end: it starts everything, turns ready, serves a streaming chat, and
-exits 0 on SIGINT (real processes, loopback, real clock)."""
+"""`stargate demo` end to end: it starts everything, turns ready, serves a streaming chat, prints
+the stats its Pylons measure, and exits 0 on SIGINT (real processes, loopback, real clock)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,15 @@ def test_demo_turns_ready_serves_a_stream_and_exits_0_on_sigint() -> None:
             lines = [line for line in response.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[1][6:])["object"] == "chat.completion.chunk"
+        # The stats the replica sees, as its Pylons measured them: the stream above went through
+        # one of them, so that engine's line shows a running request or its output throughput.
+        wait_until(
+            lambda: "demo-pylon-" in "".join(output) and "output " in "".join(output),
+            10,
+            "the stats lines",
+        )
+        stats = [line for line in "".join(output).splitlines() if "demo-pylon-" in line]
+        assert any("running 1" in line or "output 0.0" not in line for line in stats), stats
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
     finally:

@@ -6,7 +6,6 @@ clock. Pure helpers (backoff, snapshot building, discovery bookkeeping) are test
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,13 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
-import httpx
 import pytest
 import trio
 
 from stargate.protocol import stargate_pb2 as pb
-from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.pylon import PylonConfig, run_pylon
 from stargate.pylon.backoff import Backoff
 from stargate.pylon.config import (
@@ -38,111 +34,18 @@ from stargate.pylon.snapshot import (
     parse_watch_response,
     reachable_watches,
 )
+from stargate.routing.stats import ModelStats
 from tests.e2e.processes import (
     MockBackendProcess,
-    Ports,
-    StargateProcess,
-    launch,
+    PylonProcess,
+    Replica,
     launch_mock_backend,
-    stop,
     wait_until,
 )
 
 HEARTBEAT_FLAGS = ("--min-update-interval-ms", "200", "--model-refresh-ms", "200")
 
 # ---- processes ----------------------------------------------------------------------------------
-
-
-class Replica:
-    """A `stargate serve` process and clients for its discovery and HTTP listeners."""
-
-    def __init__(self, log_dir: Path, name: str, *extra: str, ports: Ports | None = None) -> None:
-        self.name = name
-        self.ports = ports or Ports.pick()
-        self.extra = extra
-        self.log_dir = log_dir
-        self.process = self._launch()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.ports.discovery}")
-        self.discovery = pb_grpc.StargateModelDiscoveryStub(self.channel)  # type: ignore[no-untyped-call]
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.ports.http}", timeout=5)
-        self.wait_up()
-
-    def _launch(self) -> StargateProcess:
-        return launch(
-            self.log_dir / f"replica-{self.name}-{self.ports.grpc}.log",
-            "serve",
-            f"--stargate-id={self.name}",
-            *self.ports.args(),
-            "--readiness-warmup-ms=0",
-            "--dns-poll-ms=100",
-            "--watch-heartbeat-ms=1000",
-            *self.extra,
-        )
-
-    def wait_up(self) -> None:
-        wait_until(lambda: self.http.get("/healthz").status_code == 200, 15, f"replica {self.name}")
-
-    @property
-    def grpc_addr(self) -> str:
-        return f"127.0.0.1:{self.ports.grpc}"
-
-    def list_models(self, *model_ids: str) -> list[str]:
-        request = pb.ListModelsRequest(model_ids=list(model_ids))
-        return list(self.discovery.ListModels(request, timeout=5).model_ids)
-
-    def http_models(self) -> list[str]:
-        return list(self.http.get("/v1/models").json()["model_ids"])
-
-    def wait_models(self, expected: list[str], *model_ids: str, timeout: float = 10) -> None:
-        wait_until(
-            lambda: self.list_models(*model_ids) == expected,
-            timeout,
-            f"models {expected} on replica {self.name}",
-        )
-
-    def restart(self) -> None:
-        stop(self.process)
-        self.process = self._launch()
-        self.wait_up()
-
-    def close(self) -> None:
-        self.channel.close()
-        self.http.close()
-        stop(self.process)
-
-
-class PylonProcess:
-    """The Pylon CLI as a subprocess, its log captured to a file."""
-
-    def __init__(self, log_path: Path, *args: str | Path) -> None:
-        self.log_path = log_path
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "from stargate.pylon.cli import pylon_command; pylon_command()",
-                    *args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 10) -> int:
-        """SIGTERM, then wait for the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
 
 
 StartPylon = Callable[..., PylonProcess]
@@ -237,18 +140,25 @@ def test_model_set_follows_the_upstream(
 def test_explicit_model_names_restrict_the_registration(
     replica: Replica, mock_backends: StartMock, pylons: StartPylon
 ) -> None:
+    """Only the named models are registered; one the engine does not serve fails its canary
+    (the engine answers 400) and is INACTIVE: advertised, never routed to."""
     engine = mock_backends("only-a,only-b")
-    pylons(
+    pylon = pylons(
         "--upstream",
         engine.url,
         "--stargate",
         replica.grpc_addr,
         "--model-name",
         "only-a,extra-model",
+        "--canary-interval-ms",
+        "200",
         *HEARTBEAT_FLAGS,
     )
-    replica.wait_models(["extra-model", "only-a"], "only-a", "only-b", "extra-model")
+    replica.wait_models(["only-a"], "only-a", "only-b", "extra-model")
+    wait_until(lambda: "canary of extra-model failed" in pylon.log, 5, "the canary failure")
+    assert "canary of only-a failed" not in pylon.log
     assert replica.list_models("only-b") == []
+    assert replica.list_models("extra-model") == []
 
 
 def test_follows_announced_replicas_and_upstream_health(
@@ -437,29 +347,33 @@ def test_backoff_doubles_to_the_cap_with_jitter_inside_the_cap_and_resets() -> N
 
 
 def test_registration_message() -> None:
+    stats = ModelStats(
+        last_mean_input_tps=120.5,
+        queue_size=2,
+        queued_input_size=40,
+        queue_time_estimate_ms_by_priority=((0, 333), (4, 500)),
+        stats_observed_at_unix_ms=1234,
+        stats_capabilities=("request.output.chunk_usage",),
+        stats_sources=("chunk_usage",),
+    )
     message = build_registration(
         inference_server_id="id",
         inference_server_url="http://10.0.0.1:8000",
         cluster_id="",
-        models=["a", "b"],
-        healthy=True,
-        now_unix_ms=1234,
+        models={"a": (stats, True), "b": (ModelStats(), False)},
     )
     assert sorted(message.models) == ["a", "b"]
     assert message.models["a"].status == pb.INFERENCE_SERVER_STATUS_ACTIVE
-    assert message.models["a"].HasField("stats")
-    assert message.models["a"].stats.stats_observed_at_unix_ms == 1234
+    assert message.models["b"].status == pb.INFERENCE_SERVER_STATUS_INACTIVE
+    assert message.models["b"].HasField("stats")  # an empty one: without it the model is INACTIVE
+    wire = message.models["a"].stats
+    assert wire.last_mean_input_tps == 120.5
+    assert (wire.queue_size, wire.queued_input_size) == (2, 40)
+    assert dict(wire.queue_time_estimate_ms_by_priority) == {0: 333, 4: 500}
+    assert wire.stats_observed_at_unix_ms == 1234
+    assert list(wire.stats_capabilities) == ["request.output.chunk_usage"]
+    assert list(wire.stats_sources) == ["chunk_usage"]
     assert not message.reverse_tunnel
-    down = build_registration(
-        inference_server_id="id",
-        inference_server_url="http://10.0.0.1:8000",
-        cluster_id="c",
-        models=["a"],
-        healthy=False,
-        now_unix_ms=1,
-    )
-    assert down.models["a"].status == pb.INFERENCE_SERVER_STATUS_INACTIVE
-    assert down.cluster_id == "c"
 
 
 def test_parse_model_list() -> None:
