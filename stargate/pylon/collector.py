@@ -97,7 +97,7 @@ async def kv_cache_loop(client: httpx.AsyncClient, url: str, stats: StatsAggrega
             )
             quiet.ok()
         except (httpx.HTTPError, trio.TooSlowError, ValueError) as error:
-            quiet.failed(error or type(error).__name__)
+            quiet.failed(str(error) or type(error).__name__)
         await trio.sleep(KV_POLL_SECONDS)
 
 
@@ -139,7 +139,7 @@ async def engine_metrics_loop(client: httpx.AsyncClient, url: str, stats: StatsA
             quiet.failing = True
             delay = METRICS_RETRY_SECONDS
         except (httpx.HTTPError, trio.TooSlowError, ValueError) as error:
-            quiet.failed(error or type(error).__name__)
+            quiet.failed(str(error) or type(error).__name__)
         await trio.sleep(delay)
 
 
@@ -197,5 +197,5 @@ async def engine_stream_loop(
                                 on_event(event)
             quiet.failed("the stream ended")
         except httpx.HTTPError as error:
-            quiet.failed(error or type(error).__name__)
+            quiet.failed(str(error) or type(error).__name__)
         await trio.sleep(backoff.next())

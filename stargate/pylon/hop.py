@@ -469,9 +469,13 @@ class PylonHop:
         try:
             response = await self._pool.request(request.method, url, headers, body)
         except (ConnectError, ConnectionPoolTimeout) as error:
+            if tracker is not None:
+                tracker.finish(False, trio.current_time())
             await _answer(sink, *self._connect_failure(error))
             return
         except UpstreamError as error:
+            if tracker is not None:
+                tracker.finish(False, trio.current_time())
             log.warning("engine request %s failed: %s", tunnel.request_id, error)
             await _answer(sink, *_send_failure(error))
             return

@@ -117,6 +117,7 @@ DRAIN_SECONDS = 30.0
 """On a graceful stop, how long requests in flight through the Pylon may take to finish once the
 registrations are closed."""
 CALIBRATION_RETRY_SECONDS = 1.0
+KEEP_ALIVE_SECONDS = 75.0
 ENGINE_CONNECT_TIMEOUT_SECONDS = 5.0
 ENGINE_MAX_CONNECTIONS = 4096
 """Connections to the engine, so concurrent requests (each holds one to its end): an engine
@@ -345,8 +346,12 @@ class Pylon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Imported here so that `stargate --help` does not pay for Hypercorn's imports.
+        from stargate.http_limits import raise_open_file_limit
         from stargate.serving import bind_listener, bound_address, hypercorn_config, serve_asgi
 
+        # Every request in flight holds two descriptors (the replica's connection and the
+        # engine's): the usual soft limit of 1,024 would stop the Pylon near 500 streams.
+        descriptors = raise_open_file_limit()
         config = self.config
         path = config.request_path
         sock = bind_listener("pylon", path.listen_addr)
@@ -355,7 +360,8 @@ class Pylon:
             if not self.url:
                 self.url = f"http://{format_host_port(advertise_host(bound.host), bound.port)}"
             log.info(
-                "pylon %r for %s: listening on %s, registered as %s; seeds %s, %s, heartbeat %d ms",
+                "pylon %r for %s: listening on %s, registered as %s; seeds %s, %s, heartbeat "
+                "%d ms; open-file limit %s",
                 config.inference_server_id,
                 config.upstream_url,
                 bound,
@@ -363,6 +369,7 @@ class Pylon:
                 ", ".join(str(seed) for seed in config.stargates),
                 f"models {list(self.models)}" if self.models else "models from GET /v1/models",
                 config.min_update_interval_ms,
+                descriptors,
             )
             upstream = UpstreamConfig(
                 connect_timeout=ENGINE_CONNECT_TIMEOUT_SECONDS,
@@ -389,6 +396,9 @@ class Pylon:
                 hop = PylonHop(hop_config, pool, self.stats, pending=self._pending)
                 served = hypercorn_config(DRAIN_SECONDS)
                 served.errorlog = _listener_error_log()
+                # Longer than the replicas' idle expiry (60 s): they close an idle connection
+                # before the Pylon does, so a request never races the Pylon's close.
+                served.keep_alive_timeout = KEEP_ALIVE_SECONDS
                 draining = trio.Event()
                 await serving.start(serve_asgi, PylonApp(hop), sock, served, draining.wait)
                 try:
@@ -477,11 +487,23 @@ class Pylon:
             self._bringing_up.discard(model)
 
     async def _canary_loop(self, pool: ConnectionPool) -> None:
-        """Every `--canary-interval-ms`, one canary per admitted model; a failing model is
-        INACTIVE until its canary passes again."""
+        """Every `--canary-interval-ms`, one canary per admitted model that produced no output
+        since the previous round; a failing model is INACTIVE until its canary passes again.
+
+        A model whose requests are producing output is working, and a canary sent to it would
+        wait in the engine's queue behind them: on a busy engine it timed out and made a healthy
+        model INACTIVE (measured with the routing benchmark; docs/pylon-data-path.md)."""
         bringup = self.config.bringup
+        previous_round: float | None = None
         while True:
+            started = trio.current_time()
             for model in sorted(self.admitted):
+                last_output = self.stats.last_output_at(model)
+                busy = previous_round is not None and (
+                    last_output is not None and last_output >= previous_round
+                )
+                if busy and model not in self.canary_failing:
+                    continue
                 why = await run_canary(
                     pool, self.config.upstream_url, model, bringup.canary_timeout_ms / 1000
                 )
@@ -493,6 +515,7 @@ class Pylon:
                     log.info("canary of %s passed: model ACTIVE again", model)
                     self.canary_failing.discard(model)
                     self._notify_changed()
+            previous_round = started
             await trio.sleep(bringup.canary_interval_ms / 1000)
 
     # ------------------------------------------------------------------ the engine

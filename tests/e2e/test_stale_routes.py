@@ -93,13 +93,15 @@ def _round_robin(tmp_path: Path) -> Path:
 def test_a_frozen_pylons_dead_engine_is_unroutable_within_seconds(
     tmp_path: Path, frozen: Frozen
 ) -> None:
-    """The Pylon stops sending (SIGSTOP: its stream stays open, so the 60 s idle timeout does not
-    fire), then its engine dies. The replica's own probe fails within a second and the model is
-    503 (registered, nothing active), not 404 and not a wait for the idle timeout."""
+    """The Pylon stops (SIGSTOP: its stream stays open, so the 60 s idle timeout does not fire),
+    then its engine dies. The replica's own probe, which goes through the frozen Pylon (it is in
+    the request path), gets no answer within the probe timeout (1 s here), and the model is 503
+    (registered, nothing active), not 404 and not a wait for the idle timeout."""
     engine = launch_mock_backend("--model", "frozen-model")
     replica = start_proxy_replica(
         tmp_path,
         "--registration-update-idle-timeout-ms=60000",  # the realistic floor, not disabled
+        "--health-check-timeout-ms=1000",
         "--accept-openai-requests",
     )
     pylon = PylonProcess(

@@ -135,6 +135,7 @@ class _Model:
         "kv",
         "kv_sources",
         "last_counter_event_at",
+        "last_output_at",
         "live",
         "max_output_tps",
         "name",
@@ -157,6 +158,7 @@ class _Model:
         # Counter samples own output_tps: live decode rates are then ignored (A in max(A, B)).
         self.counter_authoritative = False
         self.last_counter_event_at: float | None = None  # arms the model TTL
+        self.last_output_at: float | None = None  # the last output event of any request
         self.observed_at_ms = 0
         self.chunk_usage = False
         self.engine_stream = False
@@ -188,6 +190,7 @@ class _Model:
             agg._ended(self, tracker, now)
 
     def output_observed(self, tracker: RequestTracker, old: Phase, now: float) -> None:
+        self.last_output_at = now
         if old is not Phase.OUTPUT_GENERATION:
             self.live.move(old, Phase.OUTPUT_GENERATION, tracker.priority, tracker.input_tokens)
         agg = self._agg
@@ -488,6 +491,12 @@ class StatsAggregator:
                     state.observed_at_ms = self.unix_ms()
 
     # Reading
+
+    def last_output_at(self, model: str) -> float | None:
+        """When a request of `model` last produced output (None: never, or an unknown model):
+        evidence that the model works, which a canary need not repeat."""
+        state = self._models.get(model)
+        return None if state is None else state.last_output_at
 
     def input_tps(self, model: str) -> float | None:
         """The published input TPS when usable (for queue admission), else None."""
