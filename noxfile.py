@@ -71,6 +71,7 @@ BENCH_PARTS = {
     "readiness",
     "activator",
     "affinity",
+    "routing",
     "capacity",
 }
 
@@ -93,8 +94,9 @@ def _bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """The loopback benchmark suite (benchmarks/__main__.py): `nox -s bench` runs proxy, stream,
-    registration, readiness and activator; `nox -s bench -- NAME [NAME...] [--quick]
-    [--profile] [options; see --help]` chosen parts (`capacity` only when named). Results in
+    registration, readiness, activator and affinity; `nox -s bench -- NAME [NAME...] [--quick]
+    [--profile] [options; see --help]` chosen parts (`capacity` and `routing` only when named).
+    Results in
     bench-results/ (<part>.md, <part>.json, charts, summary.md)."""
     _bench(session)
 

@@ -2,13 +2,14 @@
 `nox -s bench -- [PART ...] [options]` runs (`nox -s bench-3.13` on Python 3.13).
 
 Without PART it runs the default suite in order: proxy, stream, registration, readiness,
-activator, affinity (each its own module in this package; `capacity`, benchmarks/capacity.py,
-runs only when named). Each part starts its own processes on loopback, stops every one of them on
-the way out (errors, SIGTERM and Ctrl-C included), keeps to a time budget of its own, and writes
-`bench-results/<part>.md` (a Markdown table headed with the date, the machine and the Python
-version) and `<part>.json`, plus PNG charts where they mean something; `bench-results/summary.md`
-then gathers every part's table found there. A part that fails is reported and the suite goes on
-to the next one; the exit status is 1 if any part failed.
+activator, affinity (each its own module in this package). `routing` (benchmarks/routing.py:
+routing by real load through real Pylons, and the Pylon hop's cost; about 5 minutes) and
+`capacity` (benchmarks/capacity.py) run only when named. Each part starts its own processes on
+loopback, stops every one of them on the way out (errors, SIGTERM and Ctrl-C included), keeps to
+a time budget of its own, and writes `bench-results/<part>.md` (a Markdown table headed with the
+date, the machine and the Python version) and `<part>.json`, plus PNG charts where they mean
+something; `bench-results/summary.md` then gathers every part's table found there. A part that
+fails is reported and the suite goes on to the next one; the exit status is 1 if any part failed.
 
 `--quick` is a smoke run of every part (the whole default suite in under 3 minutes); the full
 default suite takes about 13 minutes on a 2-core machine. `--profile` records a py-spy flame graph
@@ -40,7 +41,7 @@ from benchmarks.common import (
 )
 
 DEFAULT_PARTS = ("proxy", "stream", "registration", "readiness", "activator", "affinity")
-PARTS = (*DEFAULT_PARTS, "capacity")
+PARTS = (*DEFAULT_PARTS, "routing", "capacity")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "parts",
         nargs="*",
         metavar="PART",
-        help=f"parts to run, in this order: {', '.join(PARTS)} (default: all but capacity)",
+        help=(
+            f"parts to run, in this order: {', '.join(PARTS)} "
+            "(default: all but routing and capacity)"
+        ),
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of every part")
     parser.add_argument(
@@ -91,6 +95,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     activator.add_argument("--swaps", type=int, help="sequential swaps measured (6; quick 3)")
     activator.add_argument(
         "--trace-seconds", type=float, help="mixed-model trace duration (15; quick 5)"
+    )
+    routing = parser.add_argument_group("routing")
+    routing.add_argument(
+        "--router-python",
+        help="interpreter for the replica and the Pylons only, with its own installed stargate "
+        "(e.g. an older version, for a before figure)",
+    )
+    routing.add_argument(
+        "--routing-window", type=float, help="measured seconds per algorithm (18; quick 5)"
+    )
+    routing.add_argument(
+        "--routing-algorithms", help="algorithms, comma-separated (all six, round-robin first)"
     )
     args = parser.parse_args(argv)
     unknown = [part for part in args.parts if part not in PARTS]

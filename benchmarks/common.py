@@ -127,14 +127,29 @@ class Processes:
         self._started: list[tuple[subprocess.Popen[Any], signal.Signals]] = []
 
     def spawn(
-        self, args: list[str], *, stop_signal: signal.Signals = signal.SIGTERM, **kwargs: Any
+        self,
+        args: list[str],
+        *,
+        stop_signal: signal.Signals = signal.SIGTERM,
+        isolated: bool = False,
+        **kwargs: Any,
     ) -> subprocess.Popen[Any]:
+        """Start `args` (in this checkout, with it first on PYTHONPATH). `isolated`: a Python
+        process that must import the stargate installed in its interpreter's own environment
+        (an older version, `python -m benchmarks routing --router-python`), so neither
+        PYTHONPATH nor the working directory (which `-m` puts first on sys.path) is this
+        checkout; the working directory is `/` unless `cwd` says otherwise."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if isolated:
+            env.pop("PYTHONPATH", None)
+            kwargs.setdefault("cwd", "/")
+        else:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+            kwargs.setdefault("cwd", ROOT)
         # Its own session: a Ctrl-C at the terminal reaches only the benchmark, which then stops
         # every process it started itself (in order, by handle).
         kwargs.setdefault("start_new_session", True)
-        process: subprocess.Popen[Any] = subprocess.Popen(args, cwd=ROOT, env=env, **kwargs)
+        process: subprocess.Popen[Any] = subprocess.Popen(args, env=env, **kwargs)
         self._started.append((process, stop_signal))
         return process
 
@@ -509,10 +524,13 @@ def start_replica(
     max_connections: int = 384,
     warmup_args: Sequence[str] = ("--readiness-warmup-ms=0",),
     extra_args: Sequence[str] = (),
+    python: str | None = None,
+    isolated: bool = False,
 ) -> Replica:
     """A `stargate serve` on free loopback ports (HTTP, gRPC, discovery, metrics), answering
     `/healthz`; three tries at ports (one may be taken between the pick and the bind). It is
-    stopped with SIGINT (no leave phase) by `procs`."""
+    stopped with SIGINT (no leave phase) by `procs`. `python`: its interpreter (default
+    `server_python()`); `isolated`: it runs the stargate installed there (`Processes.spawn`)."""
     import httpx
 
     for attempt in range(3):
@@ -522,7 +540,7 @@ def start_replica(
             started_at = time.monotonic()
             process = procs.spawn(
                 [
-                    server_python(),
+                    python or server_python(),
                     "-m",
                     "stargate",
                     "serve",
@@ -541,6 +559,7 @@ def start_replica(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stop_signal=signal.SIGINT,  # SIGINT: no leave phase
+                isolated=isolated,
             )
         replica = Replica(process, http, grpc_port, metrics, log_path, started_at)
         healthz = f"{replica.base}/healthz"
@@ -752,6 +771,7 @@ SUMMARY_ORDER = (
     "readiness",
     "activator",
     "affinity",
+    "routing",
     "capacity",
 )
 

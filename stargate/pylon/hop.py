@@ -23,8 +23,9 @@ QUIC tunnels later) hands `PylonHop.forward` a `PylonRequest`, a way to read the
 7. The response head: the engine's 429/503 marked `x-stargate-upstream-retryable: true` becomes
    a retryable answer for the replica (`upstream_admission_rejected`); the engine's own
    retry-control headers are never passed on.
-8. The body: an SSE answer of an observed request is split into events, each output event
-   counted (`stats/tokens.py`) and timed, and sent on at once; the first output must come within
+8. The body: an SSE answer of an observed request is relayed as it arrives and split into
+   events on the way, each output event counted (`stats/tokens.py`) and timed; the first
+   output must come within
    `first_output_timeout`, each next one within `output_chunk_timeout`, else the stream is cut.
    Any other body is relayed chunk by chunk as it arrives.
 
@@ -35,7 +36,6 @@ then cancelled and the engine connection closed (the engine stops generating).
 from __future__ import annotations
 
 import email.utils
-import json
 import logging
 import math
 import time
@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
 import trio
 
 from stargate.http_headers import HOP_BY_HOP, Headers, connection_options, first_header
@@ -86,6 +87,9 @@ MAX_COUNTED_BODY_BYTES = 4 * 1024 * 1024
 is relayed all the same, uncounted."""
 DEFAULT_PRIORITY_CEILING = 3600
 DEFAULT_OUTPUT_TIMEOUT_SECONDS = 30.0
+DEADLINE_SLACK_SECONDS = 1.0
+"""How late the between-outputs timeout may fire (it never fires early): its deadline is moved
+once a second at most."""
 
 OBSERVED_PATHS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint.CHAT,
@@ -292,8 +296,8 @@ def _is_sse(headers: Headers) -> bool:
 def _streaming(body: bytes) -> bool | None:
     """The body's top-level `"stream"` (True only for `true`), or None when it is not JSON."""
     try:
-        document = json.loads(body)
-    except (ValueError, RecursionError):
+        document = orjson.loads(body)  # a prompt can be large: the cheaper parser
+    except orjson.JSONDecodeError:
         return None
     return isinstance(document, dict) and document.get("stream") is True
 
@@ -501,32 +505,34 @@ class PylonHop:
         headers: Headers,
         tracker: RequestTracker,
     ) -> None:
-        """Relay an SSE answer event by event, counting output tokens and bounding the waits
-        for output (module docstring, step 8)."""
+        """Relay an SSE answer chunk by chunk as it arrives, counting its events' output tokens
+        and bounding the waits for output (module docstring, step 8)."""
         config = self.config
+        chunk_timeout = config.output_chunk_timeout
         splitter = SseSplitter(config.max_sse_event_bytes)
         parser = OutputTokenParser()
         await sink.start(response.status, headers, body_follows=False)
+        ended = False
         with trio.CancelScope(deadline=trio.current_time() + config.first_output_timeout) as timer:
             try:
                 async for chunk in response.aiter_bytes():
-                    events = splitter.feed(chunk)
-                    if events:
-                        output = False
-                        for event in events:
-                            if parser.observe_event(event):
-                                output = True
-                        if output:
-                            now = trio.current_time()
-                            tracker.output(parser.tokens, parser.explicit, now)
-                            timer.deadline = now + config.output_chunk_timeout
-                        data = (
-                            events[0].raw if len(events) == 1 else b"".join(e.raw for e in events)
-                        )
-                        await sink.send(data, more=True)
-                tail = splitter.tail()
-                if tail:
-                    await sink.send(tail, more=True)
+                    # Parsed for the observation only: the bytes go on as they came, an event
+                    # cut between two reads included (nothing waits for its end).
+                    output = False
+                    for event in splitter.feed(chunk):
+                        if parser.observe_event(event):
+                            output = True
+                    if output:
+                        now = trio.current_time()
+                        tracker.output(parser.tokens, parser.explicit, now)
+                        # Moved at most once a second, and then a second further than
+                        # needed: setting a deadline costs more than the rest of an
+                        # event's bookkeeping. A gap may so last up to 31 s, never less
+                        # than 30.
+                        if now + chunk_timeout > timer.deadline:
+                            timer.deadline = now + chunk_timeout + DEADLINE_SLACK_SECONDS
+                    ended = _is_complete(response)  # the last chunk ends the answer: one send
+                    await sink.send(chunk, more=not ended)
             except SseEventTooLarge as error:
                 tracker.finish(False, trio.current_time())
                 log.warning("engine stream of request %s cut: %s", tracker.request_id, error)
@@ -547,7 +553,8 @@ class PylonHop:
                 else config.output_chunk_timeout,
             )
             raise StreamAborted(f"no {which} in time")
-        await sink.send(b"", more=False)
+        if not ended:
+            await sink.send(b"", more=False)
 
 
 def _is_complete(response: UpstreamResponse) -> bool:
