@@ -15,10 +15,13 @@ __all__ = [
     "ASGIReceive",
     "ASGIScope",
     "ASGISend",
+    "BodyTooLarge",
+    "ClientGone",
     "DisconnectHook",
     "InFlight",
     "answer_lifespan",
     "disconnect_hook",
+    "read_body",
     "visible_query",
 ]
 
@@ -88,6 +91,42 @@ def disconnect_hook(scope: ASGIScope) -> DisconnectHook | None:
         return None
     hook = extensions.get(DISCONNECT_HOOK)
     return hook if isinstance(hook, DisconnectHook) else None
+
+
+class BodyTooLarge(Exception):
+    """The request body exceeds the reader's limit."""
+
+
+class ClientGone(Exception):
+    """The client went away before its request body was complete."""
+
+
+async def read_body(receive: ASGIReceive, limit: int) -> bytes:
+    """The whole request body of an HTTP exchange, at most `limit` bytes.
+
+    Raises BodyTooLarge as soon as the body passes `limit` (the rest is not read), ClientGone on
+    `http.disconnect`. A body that arrives in one message is returned as it is (no copy)."""
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientGone
+    body = bytes(message.get("body", b""))
+    if len(body) > limit:
+        raise BodyTooLarge
+    if not message.get("more_body", False):
+        return body
+    parts = [body]
+    size = len(body)
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
 
 
 async def answer_lifespan(

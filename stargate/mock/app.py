@@ -47,7 +47,16 @@ from typing import Any
 
 import trio
 
-from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend, answer_lifespan
+from stargate.asgi import (
+    ASGIMessage,
+    ASGIReceive,
+    ASGIScope,
+    ASGISend,
+    BodyTooLarge,
+    ClientGone,
+    answer_lifespan,
+    read_body,
+)
 from stargate.mock import prefix_cache, shapes
 from stargate.mock.control import (
     BatchingKnobs,
@@ -210,25 +219,10 @@ def _received_headers(scope: ASGIScope) -> dict[str, str]:
 
 async def _read_body(receive: ASGIReceive) -> bytes | None:
     """The whole request body, or None if the client went away or sent too much."""
-    message = await receive()
-    if message["type"] != "http.request":
+    try:
+        return await read_body(receive, MAX_BODY_BYTES)
+    except (BodyTooLarge, ClientGone):
         return None
-    body = bytes(message.get("body", b""))
-    if not message.get("more_body", False):
-        return body
-    parts = [body]
-    size = len(body)
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunk = bytes(message.get("body", b""))
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            return None
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
 
 
 Handler = Callable[["MockBackend", ASGIScope, bytes, ASGIReceive, ASGISend], Awaitable[None]]

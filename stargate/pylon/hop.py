@@ -46,6 +46,7 @@ from typing import Protocol
 import orjson
 import trio
 
+from stargate.asgi import BodyTooLarge
 from stargate.http_headers import HOP_BY_HOP, Headers, connection_options, first_header
 from stargate.http_headers import parse_unsigned as _parse_unsigned
 from stargate.logs import LoggedError
@@ -173,10 +174,6 @@ class StreamAborted(LoggedError):
     """The answer cannot be completed after its head went out (engine failure, an SSE event too
     large, an output timeout): raised so the transport cuts the stream and the replica sees a
     broken body, never a truncated one that looks whole. Its cause is already logged."""
-
-
-class BodyTooLarge(Exception):
-    """The request body exceeds the limit (raised by the listener's body reader)."""
 
 
 BodyReader = Callable[[int], Awaitable[bytes]]

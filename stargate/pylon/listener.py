@@ -16,17 +16,16 @@ from stargate.asgi import (
     ASGIReceive,
     ASGIScope,
     ASGISend,
+    BodyTooLarge,
+    ClientGone,
     answer_lifespan,
     disconnect_hook,
+    read_body,
 )
 from stargate.http_headers import Headers, first_header, parse_unsigned
-from stargate.pylon.hop import BodyTooLarge, PylonHop, PylonRequest
+from stargate.pylon.hop import PylonHop, PylonRequest
 
 __all__ = ["PylonApp"]
-
-
-class _ReplicaGone(Exception):
-    """The replica closed the connection before the request was answered."""
 
 
 class _AsgiSink:
@@ -77,26 +76,15 @@ class PylonApp:
                     await self._hop.forward(request, read_body, sink)
                 finally:
                     hook.on_disconnect(None)
-        except _ReplicaGone:
-            pass
+        except ClientGone:
+            pass  # the replica left before its request was whole: nobody to answer
 
 
 async def _read_body(receive: ASGIReceive, headers: Headers, limit: int) -> bytes:
-    """The whole request body; BodyTooLarge past `limit` (or a declared length above it)."""
+    """The whole request body; BodyTooLarge past `limit`, or at once for a declared length above
+    it (nothing is read then)."""
     declared = first_header(headers, b"content-length")
     length = None if declared is None else parse_unsigned(declared, 2**64 - 1)
     if length is not None and length > limit:
         raise BodyTooLarge
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ReplicaGone
-        chunk = bytes(message.get("body", b""))
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+    return await read_body(receive, limit)

@@ -20,10 +20,9 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from stargate.asgi import BODY_FOLLOWS, DISCONNECT_HOOK, DisconnectHook
+from stargate.asgi import BODY_FOLLOWS, DISCONNECT_HOOK, BodyTooLarge, DisconnectHook
 from stargate.http_headers import Headers, first_header
 from stargate.pylon.hop import (
-    BodyTooLarge,
     HopConfig,
     PylonHop,
     PylonRequest,
