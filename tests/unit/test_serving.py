@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import socket
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import trio
@@ -15,6 +16,7 @@ from stargate import serving
 from stargate.config import ListenAddress
 from stargate.mock import cli as mock_cli
 from stargate.pylon import cli as pylon_cli
+from stargate.pylon.sidecar import Pylon
 from stargate.serving import (
     MAX_REQUESTS_PER_CONNECTION,
     UNLIMITED_REQUESTS_PER_CONNECTION,
@@ -101,14 +103,31 @@ async def test_the_mock_backend_finishes_on_the_first_signal_and_exits_on_the_se
     assert exit_scope.cancel_called
 
 
-async def test_the_pylon_stops_on_the_first_signal() -> None:
+class _StoppingPylon:
+    """Records `stop()`, the Pylon's graceful stop."""
+
+    def __init__(self) -> None:
+        self.stops = 0
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+async def test_the_pylon_stops_gracefully_on_the_first_signal_and_at_once_on_the_second() -> None:
+    """The first signal closes the registrations and lets requests in flight finish
+    (`Pylon.stop`); a second one cancels everything at once."""
     send, signals = trio.open_memory_channel[int](2)
+    pylon = _StoppingPylon()
     with trio.CancelScope() as pylon_scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(pylon_cli._watch_signals, signals, pylon_scope)
+            nursery.start_soon(pylon_cli._watch_signals, signals, cast(Pylon, pylon), pylon_scope)
             await send.send(signal.SIGINT)
+            await trio.testing.wait_all_tasks_blocked()
+            assert pylon.stops == 1 and not pylon_scope.cancel_called
+            await send.send(signal.SIGTERM)
             await trio.sleep_forever()
     assert pylon_scope.cancel_called
+    assert pylon.stops == 1
 
 
 def test_bind_listener_names_the_listener_that_cannot_bind() -> None:
