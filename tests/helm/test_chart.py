@@ -460,6 +460,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "proxyConnectTimeoutMs": 2_000,
             "proxyMaxConnectionsPerBackend": 4_096,
             "acceptOpenaiRequests": True,
+            "unmeasuredBackends": "exclude",
             "deriveAffinityKey": True,
             "deriveAffinityKeyBytes": 512,
             "lbConfigPath": files["lb.json"],
@@ -568,6 +569,8 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert (p.response_header_timeout_ms, p.connect_timeout_ms) == (120_000, 2_000)
     assert p.max_connections_per_backend == 4_096
     assert p.accept_openai_requests is True
+    assert "--unmeasured-backends=exclude" in args
+    assert p.estimate_unmeasured_backends is False
     assert "--derive-affinity-key" in args and "--derive-affinity-key-bytes=512" in args
     assert (p.derive_affinity_key, p.derive_affinity_key_bytes) == (True, 512)
     assert p.lb_config_path == Path(files["lb.json"])
