@@ -35,12 +35,13 @@ ASGIApp = Callable[[ASGIScope, ASGIReceive, ASGISend], Awaitable[None]]
 BODY_FOLLOWS = "stargate.body_follows"
 """A key an app may set (true) in its `http.response.start` message: its first body message comes
 right after, without waiting for anything. An HTTP/1.1 server may then write the head together
-with that body, one write instead of two (`hypercorn_fixes`, docs/http-serving.md, "Head with the
-body"); without the key, or where the server ignores it, the head is written at once."""
+with that body, one write instead of two (`stargate/hypercorn_patches/h11.py`,
+docs/http-serving.md, "Head with the body"); without the key, or where the server ignores it,
+the head is written at once."""
 
 DISCONNECT_HOOK = "stargate.disconnect"
 """The key of an HTTP exchange's `DisconnectHook` in `scope["extensions"]`; present when the app is
-served through `stargate/serving.py` (`hypercorn_fixes` installs it)."""
+served through `stargate/serving.py` (`stargate/hypercorn_patches/app.py` installs it)."""
 
 
 class DisconnectHook:
@@ -54,7 +55,7 @@ class DisconnectHook:
 
     A disconnect that arrives while the app's final `send()` runs (`completing`) is the end of a
     complete exchange, which Hypercorn reports from inside that `send()`: it is not passed on,
-    as `hypercorn_fixes.complete_response_before_disconnect` holds that message back from
+    as `hypercorn_patches.complete_response_before_disconnect` holds that message back from
     `receive()` (the app has nothing left to cancel, and cancelling it there would cancel
     Hypercorn's own bookkeeping for the response).
     """

@@ -11,10 +11,10 @@ served, in O(1) per operation, which is what the tree computes for equal sibling
 
 It has exactly the interface and the exceptions of the tree as Hypercorn uses it (`insert_stream`,
 `remove_stream`, `block`, `unblock`, `reprioritize`, `next()`), and keeps its bound on streams
-held at once (`maximum_streams`, stream 0 included), which `stargate/hypercorn_fixes.py` turns
+held at once (`maximum_streams`, stream 0 included), which stargate/hypercorn_patches/h2.py turns
 into REFUSED_STREAM. Priority signals are accepted and ignored: a client cannot reorder the
 connection's streams, and cannot make a stream depend on one that would starve it.
-`stargate/hypercorn_fixes.py` installs it on every connection.
+stargate/hypercorn_patches/h2.py (`init`) installs it on every connection.
 """
 
 from __future__ import annotations

@@ -23,11 +23,12 @@ for real requests. Two limits close that:
 
 Both apply to the HTTP listener only (proxy routes and the admin app): gRPC registration streams
 are long-lived by design, and Pylon channels are not client connections. The body limit is an
-ASGI wrapper (`limit_request_body_time`, applied by the runtime); the connection count patches
-Hypercorn's `TCPServer.run` for the listeners registered with `limit_connections` (`apply()`,
-called when `stargate/serving.py` is imported, after the Hypercorn fixes). On those listeners an
-HTTP/2 stream whose response is complete while its request body is not is reset with NO_ERROR
-(RFC 9113 §8.1), the HTTP/2 counterpart of closing an HTTP/1.1 connection after such an answer.
+ASGI wrapper (`limit_request_body_time`, applied by the runtime). The connection count is this
+module's policy (`ConnectionLimit`, the reserve's gate); Hypercorn applies it to the listeners
+registered with `limit_connections` through the patches of stargate/hypercorn_patches/
+(limits.py there), installed when `stargate/serving.py` is imported. On those listeners an HTTP/2
+stream whose response is complete while its request body is not is reset with NO_ERROR (RFC 9113
+§8.1), the HTTP/2 counterpart of closing an HTTP/1.1 connection after such an answer.
 
 The answers the limits make follow the error contract (docs/clients.md, "Error bodies"): a bare
 status with `x-stargate-error-code`, or, through the `Refusal` the runtime passes, the OpenAI error
@@ -38,23 +39,19 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import resource
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import h2.errors
-import h2.exceptions
 import trio
-from h2.stream import StreamState
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import AppWrapper
 
+from stargate import hypercorn_patches
 from stargate.asgi import ASGIApp, ASGIMessage, ASGIReceive, ASGIScope, ASGISend
 from stargate.metrics import HttpMetrics
 
@@ -339,14 +336,22 @@ class _ReserveGate:
         await self.app(scope, receive, send, sync_spawn, call_soon)  # type: ignore[arg-type]
 
 
-# Listeners served with client limits, by their Hypercorn config (one per listener).
-_limits: weakref.WeakKeyDictionary[HypercornConfig, ConnectionLimit] = weakref.WeakKeyDictionary()
-
-
 def limit_connections(config: HypercornConfig, limit: ConnectionLimit) -> None:
     """Count the connections of the listener served with `config` against `limit`, and reset its
-    HTTP/2 streams answered before their request body (module docstring). Call before serving."""
-    _limits[config] = limit
+    HTTP/2 streams answered before their request body (module docstring). Call before serving.
+
+    A connection is counted from its accept to the close of its socket; one the limit refuses is
+    closed at once, one in the reserve is served through `_ReserveGate`."""
+
+    def admit(app: AppWrapper) -> tuple[AppWrapper, Callable[[], None]] | None:
+        slot = limit.admit()
+        if slot is None:
+            return None
+        if slot.reserved:
+            app = cast(AppWrapper, _ReserveGate(app, slot, limit))
+        return app, functools.partial(limit.release, slot)
+
+    hypercorn_patches.gate_connections(config, admit)
 
 
 def raise_open_file_limit() -> int:
@@ -386,88 +391,8 @@ def check_open_file_limit(cap: int, reserve: int = CONNECTION_RESERVE) -> None:
 
 # --- the Hypercorn hooks -------------------------------------------------------------------------
 
-_applied = False
-
 
 def apply() -> None:
-    """Install the connection count and the HTTP/2 early-answer reset (idempotent). They act
-    only on listeners registered with `limit_connections`."""
-    global _applied
-    if _applied:
-        return
-    _applied = True
-    _count_connections()
-    _reset_streams_answered_early()
-
-
-# The slot of each counted connection, until its socket closes.
-_slots: weakref.WeakKeyDictionary[TCPServer, tuple[ConnectionLimit, _Slot]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _count_connections() -> None:
-    """Count from accept to the socket's close (`TCPServer._close`, or at the latest the end of
-    the connection's task).
-
-    A connection the client closes before sending a request used to stay open (CLOSE-WAIT) until
-    Hypercorn's keep-alive timer fired, up to 5 s later, and so kept its slot: a TCP health check
-    or a port scan held one slot per connection for 5 s. Once the client has closed its side,
-    nothing more can arrive, so the timer is stopped: the socket closes as soon as whatever
-    request was in progress has ended (its app hears `http.disconnect` right away).
-    """
-    original_run = TCPServer.run
-    original_close = TCPServer._close
-    original_read_data = TCPServer._read_data
-
-    async def run(self: TCPServer) -> None:
-        limit = _limits.get(self.config)
-        if limit is None:
-            await original_run(self)
-            return
-        slot = limit.admit()
-        if slot is None:
-            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await self.stream.aclose()
-            return
-        if slot.reserved:
-            self.app = cast(AppWrapper, _ReserveGate(self.app, slot, limit))
-        _slots[self] = (limit, slot)
-        try:
-            await original_run(self)
-        finally:
-            limit.release(slot)
-
-    async def close(self: TCPServer) -> None:
-        try:
-            await original_close(self)
-        finally:
-            counted = _slots.pop(self, None)
-            if counted is not None:
-                counted[0].release(counted[1])
-
-    async def read_data(self: TCPServer) -> None:
-        await original_read_data(self)  # the client closed, or the socket did
-        if self in _slots:
-            await self.idle_task.stop()
-
-    TCPServer.run = run  # type: ignore[method-assign]
-    TCPServer._close = close  # type: ignore[method-assign]
-    TCPServer._read_data = read_data  # type: ignore[method-assign]
-
-
-def _reset_streams_answered_early() -> None:
-    original_close_stream = H2Protocol._close_stream
-
-    async def close_stream(self: H2Protocol, stream_id: int) -> None:
-        await original_close_stream(self, stream_id)
-        if self.closed or self.config not in _limits:
-            return
-        stream = self.connection.streams.get(stream_id)
-        if stream is not None and stream.state_machine.state is StreamState.HALF_CLOSED_LOCAL:
-            # RFC 9113 §8.1: the response is complete; the client may stop sending its body.
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
-            await self._flush()
-
-    H2Protocol._close_stream = close_stream  # type: ignore[method-assign]
+    """Install the Hypercorn patches, the hooks of these limits among them (idempotent; importing
+    `stargate.serving` does it). Kept for callers of the old name: `hypercorn_patches.install()`."""
+    hypercorn_patches.install()

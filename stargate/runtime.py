@@ -31,7 +31,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
-from stargate import __version__, hypercorn_fixes
+from stargate import __version__, hypercorn_patches
 from stargate.activator import (
     Activator,
     ActivatorMetrics,
@@ -285,7 +285,7 @@ class Replica:
             self.publisher.leave()
         self.registrations.leave()
         for config in self._listener_configs:
-            hypercorn_fixes.leave(config)
+            hypercorn_patches.leave(config)
         if self._services is not None:
             self._services.start_soon(self._leave_then_drain)
 
@@ -454,7 +454,7 @@ class Replica:
                 for name, app, sock, server_config in servers:
                     self._listener_configs.append(server_config)
                     if self._leaving:  # a signal came during start-up
-                        hypercorn_fixes.leave(server_config)
+                        hypercorn_patches.leave(server_config)
                     serve = functools.partial(
                         serve_asgi,
                         self._in_flight.track(app),

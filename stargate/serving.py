@@ -10,11 +10,12 @@ the benchmarks' no-op server; and the shutdown-signal watcher the Pylon uses too
 - `watch_signals` turns SIGTERM/SIGINT into the caller's own shutdown policy: one callback for the
   signal that starts the shutdown, another for any later one (docs/rolling-restarts.md).
 
-Importing this module installs the Hypercorn fixes (`hypercorn_fixes.apply()`, idempotent;
-docs/http-serving.md), so whatever serves through it gets them; then strict HTTP/1.1 request
-framing (`http_framing.apply()`) and the hooks of the HTTP listener's client limits
-(`http_limits.apply()`, which act only on listeners registered with
-`http_limits.limit_connections`).
+Importing this module installs every patch of Hypercorn and h11 (`hypercorn_patches.install()`,
+idempotent; stargate/hypercorn_patches/, docs/http-serving.md), so whatever serves through it
+gets them: the fixes, the cost cuts, strict HTTP/1.1 request framing, and the hooks of the HTTP
+listener's client limits (which act only on listeners registered with
+`http_limits.limit_connections`). It refuses, with a message that says what to do, to run on a
+Hypercorn, h11 or h2 the patch table was not written for.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from stargate import accept_queue, http_framing, http_limits, hypercorn_fixes
+from stargate import accept_queue, hypercorn_patches
 from stargate.config import ListenAddress
 
 __all__ = [
@@ -51,9 +52,7 @@ __all__ = [
     "watch_signals",
 ]
 
-hypercorn_fixes.apply()
-http_framing.apply()
-http_limits.apply()  # after the fixes: it wraps the methods they install
+hypercorn_patches.install()
 
 LISTEN_BACKLOG = 1024
 # Requests one client connection may carry before it is rotated (HTTP/2 GOAWAY, HTTP/1.1
@@ -162,7 +161,7 @@ async def serve_asgi(
         await shutdown_trigger()
         await accept_queue.stop_new_connections(sock)
 
-    served: ASGIApp = hypercorn_fixes.complete_response_before_disconnect(app)
+    served: ASGIApp = hypercorn_patches.complete_response_before_disconnect(app)
     if ssl_context is None:
         sockets = Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
     else:

@@ -453,7 +453,7 @@ def test_stalled_bodies_at_once_are_answered_408_without_a_traceback(replica: Re
     'Error in ASGI Framework' with a traceback: now and then for a single stalled body, nearly
     always among 32 at once (each connection declaring 20 bytes and sending 2), though every
     client got its 408. The client closing after its answer made Hypercorn's reading task
-    half-close the socket outside its send lock (fixed in stargate/hypercorn_fixes.py;
+    half-close the socket outside its send lock (fixed in stargate/hypercorn_patches/tcp.py;
     tests/unit/test_http_limits.py reproduces it in process)."""
     mark = replica.log_mark()
     with ThreadPoolExecutor(max_workers=32) as pool:

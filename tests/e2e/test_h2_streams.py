@@ -33,11 +33,11 @@ from h2.connection import ConnectionInputs, ConnectionState
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol.http_stream import HTTPStream
 
-from stargate import hypercorn_fixes
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.config import ListenAddress
 from stargate.grpc_asgi import GrpcApp, RpcContext, unary_unary
 from stargate.h2_send_order import RoundRobin
+from stargate.hypercorn_patches import h2 as h2_patches
 from stargate.protocol import stargate_pb2 as pb
 from stargate.protocol import stargate_pb2_grpc as pb_grpc
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
@@ -396,9 +396,7 @@ async def in_thread(function: Callable[[], Any]) -> Any:
 def small_priority_tree(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each connection's send scheduler (stargate/h2_send_order.py, which replaces Hypercorn's
     priority tree) holds stream 0 and two more (instead of 999)."""
-    monkeypatch.setattr(
-        hypercorn_fixes, "RoundRobin", functools.partial(RoundRobin, maximum_streams=3)
-    )
+    monkeypatch.setattr(h2_patches, "RoundRobin", functools.partial(RoundRobin, maximum_streams=3))
 
 
 @pytest.mark.usefixtures("small_priority_tree")

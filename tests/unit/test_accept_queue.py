@@ -1,7 +1,7 @@
 """Closing a listener without resetting what the kernel already accepted (stargate/accept_queue.py,
 docs/rolling-restarts.md "Closing the listener"), and the two drain races of a server served with
 `serving.serve_asgi`: a connection still in the kernel's accept queue when the shutdown begins, and
-a connection accepted just before it whose request arrives after (hypercorn_fixes
+a connection accepted just before it whose request arrives after (hypercorn_patches
 `_wait_for_first_request`). Real sockets on loopback; Linux only, like the filter."""
 
 from __future__ import annotations

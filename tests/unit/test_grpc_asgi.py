@@ -890,7 +890,7 @@ async def test_a_send_loop_yields_so_a_disconnect_can_cancel_it() -> None:
 
 
 async def test_send_blocks_once_a_client_stops_reading() -> None:
-    """Fixed in stargate.hypercorn_fixes (upstream StreamBuffer.pop released the writer on every
+    """Fixed in stargate.hypercorn_patches (upstream StreamBuffer.pop released the writer on every
     zero-length pop, so a client that stops reading made the server buffer without bound)."""
     handlers = Handlers()
     async with serving(GrpcApp(handlers.methods(register=handlers.floods))) as target:

@@ -1,7 +1,7 @@
-"""Strict HTTP/1.1 request framing (`stargate/http_framing.py`): the pure checks, and h11's
-server side with the strict reader installed (importing `stargate.serving` installs it, as every
-stargate server does). The h11 tests fail without the fix: h11 alone splits a header line on a
-bare LF and accepts Content-Length with Transfer-Encoding."""
+"""Strict HTTP/1.1 request framing (`stargate/hypercorn_patches/framing.py`): the pure checks,
+and h11's server side with the strict reader installed (importing `stargate.serving` installs
+it, as every stargate server does). The h11 tests fail without the fix: h11 alone splits a header
+line on a bare LF and accepts Content-Length with Transfer-Encoding."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import h11
 import pytest
 
 import stargate.serving  # noqa: F401  (installs the strict reader, as every server does)
-from stargate.http_framing import apply, bare_line_break, conflicting_framing
+from stargate.hypercorn_patches import install
+from stargate.hypercorn_patches.framing import bare_line_break, conflicting_framing
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-Note: a\r\nContent-Length: 2\r\n\r\n"
 
@@ -116,7 +117,7 @@ def test_a_pipelined_second_request_is_checked_too() -> None:
         connection.next_event()
 
 
-def test_apply_is_idempotent() -> None:
+def test_install_is_idempotent() -> None:
     reader = h11._readers.READERS[(h11.CLIENT, h11.IDLE)]
-    apply()
+    install()
     assert h11._readers.READERS[(h11.CLIENT, h11.IDLE)] is reader

@@ -394,7 +394,7 @@ async def test_many_stalled_bodies_at_once_are_answered_408_without_a_traceback(
     """On a real Hypercorn listener: a client closing as soon as it has its 408 made the reading
     task close the connection (`send_eof`) while the answer's last send was under way, and trio
     refused that send with `BusyResourceError`, logged as "Error in ASGI Framework" with a
-    traceback (fixed in stargate/hypercorn_fixes.py, `_fix_send_during_close`). Four rounds of
+    traceback (fixed in stargate/hypercorn_patches/tcp.py, `protocol_send`). Four rounds of
     32 stalled bodies hit it nearly every round without the fix."""
     caplog.set_level(logging.DEBUG)
     sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
@@ -419,6 +419,44 @@ async def test_many_stalled_bodies_at_once_are_answered_408_without_a_traceback(
     assert set(heads) == {b"HTTP/1.1 408 "}, Counter(heads)
     logged = [record.getMessage() for record in caplog.records if record.exc_info]
     assert not logged, logged
+
+
+async def test_a_connection_stops_counting_when_its_socket_closes() -> None:
+    """Not when its task ends: an app still running after the answer that closed its connection
+    (`Connection: close`) holds no slot any more."""
+    limit = ConnectionLimit(1)
+    finish = trio.Event()
+
+    async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        await receive()
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+        await finish.wait()  # still running once its connection has closed
+
+    sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = hypercorn_config(2.0)
+    limit_connections(config, limit)
+    stop = trio.Event()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_asgi, app, sock, config, stop.wait)
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.send_all(b"GET / HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+            received = b""
+            while chunk := await client.receive_some(65536):
+                received += chunk
+            await client.aclose()
+            assert received.startswith(b"HTTP/1.1 200 ")
+            with trio.fail_after(1):
+                while limit.open:  # noqa: ASYNC110 (the count has no event)
+                    await trio.sleep(0.01)
+            finish.set()
+            stop.set()
 
 
 async def test_a_client_that_leaves_is_not_a_timeout(autojump_clock: MockClock) -> None:

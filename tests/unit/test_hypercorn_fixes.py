@@ -1,21 +1,30 @@
-"""Four of `stargate/hypercorn_fixes.py`'s patches, on Hypercorn's own objects: writes that the
-socket takes at once do not go through the scheduler (`_write_at_once`), nor do restarts of the
-keep-alive timer (`_restart_idle_timers_at_once`), and every HTTP exchange has a
-`DisconnectHook` (`_hook_disconnects`), and a head marked `BODY_FOLLOWS` is written with its body
-(`_write_head_with_body`). docs/http-serving.md, "Writes", "Keep-alive timer", "Disconnect hook"
-and "Head with the body". The other fixes are covered where their symptoms show:
-tests/e2e/test_h2_streams.py, tests/e2e/test_connection_close.py, tests/unit/test_http_limits.py,
-tests/unit/test_grpc_asgi.py.
+"""The patches of stargate/hypercorn_patches/: the table and its guard (a version or a target's
+source the table was not written for is refused, with what to do), and some patches on Hypercorn's
+own objects: writes that the socket takes at once do not go through the scheduler
+(`tcp.protocol_send`), nor do restarts of the keep-alive timer (`tcp.restart`, `tcp.stop`), every
+HTTP exchange has a `DisconnectHook` (`app.spawn_app`), a head marked `BODY_FOLLOWS` is written
+with its body (`h11`), and PRIORITY frames park nothing (`h2.priority_updated`).
+docs/http-serving.md, "The patch table", "Writes", "Keep-alive timer", "Disconnect hook" and "Head
+with the body". The other patches are covered where their symptoms show (each row of the table
+names its test): tests/e2e/test_h2_streams.py, tests/e2e/test_connection_close.py,
+tests/unit/test_http_limits.py, tests/unit/test_grpc_asgi.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
+import h2.config
+import h2.connection
+import h2.events
+import pytest
 import trio
 import trio.testing
 from hypercorn.config import Config as HypercornConfig
@@ -23,6 +32,7 @@ from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 
+from stargate import hypercorn_patches
 from stargate.asgi import (
     BODY_FOLLOWS,
     ASGIReceive,
@@ -33,7 +43,98 @@ from stargate.asgi import (
     disconnect_hook,
 )
 from stargate.config import ListenAddress
+from stargate.hypercorn_patches import PatchTableMismatch, table
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# --- the table and its guard ---------------------------------------------------------------------
+
+
+def test_the_installed_stack_is_the_one_the_table_was_written_for() -> None:
+    hypercorn_patches.verify()  # importing stargate.serving installed them: originals are kept
+
+
+def test_a_target_whose_source_changed_is_refused_with_what_to_do() -> None:
+    changed = dataclasses.replace(table.PATCHES[0], fingerprint="0123456789abcdef")
+    with pytest.raises(PatchTableMismatch) as refused:
+        hypercorn_patches.verify([changed, *table.PATCHES[1:]])
+    message = str(refused.value)
+    assert f"{changed.target} has changed since the table was written" in message
+    assert "the table has 0123456789abcdef" in message
+    assert "pip install 'hypercorn>=0.18,<0.19' 'h11>=0.16,<0.17' 'h2>=4.4,<4.5'" in message
+    assert "python -m stargate.hypercorn_patches --update" in message
+    assert message.count("\n  - ") == 1  # only what differs
+
+
+@pytest.mark.parametrize(("name", "version"), [("hypercorn", "0.19.0"), ("h2", "4.3.0")])
+def test_a_version_the_table_was_not_written_for_is_refused(name: str, version: str) -> None:
+    installed = hypercorn_patches.installed_versions()
+
+    def version_of(distribution: str) -> str | None:
+        return version if distribution == name else installed[distribution]
+
+    with pytest.raises(PatchTableMismatch) as refused:
+        hypercorn_patches.verify(version_of=version_of)
+    message = str(refused.value)
+    low, high = table.WRITTEN_FOR[name]
+    assert f"{name} {version} is installed; the table was written for {name} >={low},<{high}" in (
+        message
+    )
+    assert "pip install" in message and "--update" in message
+
+
+def test_install_refuses_before_patching_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused table leaves Hypercorn as it is: nothing half-patched."""
+    monkeypatch.setattr(hypercorn_patches, "_installed", False)
+    changed = dataclasses.replace(table.PATCHES[-1], fingerprint="0123456789abcdef")
+    monkeypatch.setattr(table, "PATCHES", (*table.PATCHES[:-1], changed))
+    monkeypatch.setattr(hypercorn_patches, "_place", _no_place)
+    with pytest.raises(PatchTableMismatch):
+        hypercorn_patches.install()
+    assert not hypercorn_patches._installed
+
+
+def _no_place(target: str) -> object:
+    raise AssertionError(f"{target} patched although the table was refused")
+
+
+def test_version_tuples_compare_releases() -> None:
+    assert table.version_tuple("0.18.0") == (0, 18, 0)
+    assert table.version_tuple("0.19.0rc1") == (0, 19, 0)
+    assert table.version_tuple("0.18") < table.version_tuple("0.18.5") < table.version_tuple("0.19")
+
+
+def test_every_target_is_patched_once_by_a_replacement_that_exists() -> None:
+    targets = [patch.target for patch in table.PATCHES]
+    assert len(targets) == len(set(targets))
+    for patch in table.PATCHES:
+        assert callable(hypercorn_patches._replacement(patch)), patch.replacement
+        assert patch.behaviours, patch.target
+        assert patch.distribution in table.WRITTEN_FOR, patch.target
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    anchors = set()
+    for line in doc.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_every_behaviour_names_a_doc_section_and_a_test_that_exist() -> None:
+    for patch in table.PATCHES:
+        for behaviour in patch.behaviours:
+            doc, _, anchor = behaviour.doc.partition("#")
+            assert anchor in _anchors(ROOT / doc), behaviour.doc
+            if behaviour.test.startswith("none: "):
+                continue  # no test fails without it, and the row says why
+            path, _, name = behaviour.test.partition("::")
+            source = (ROOT / path).read_text()
+            assert re.search(rf"^(async )?def {name}\(", source, re.MULTILINE), behaviour.test
+
 
 # --- writes --------------------------------------------------------------------------------------
 
@@ -314,3 +415,127 @@ async def test_an_unmarked_head_is_written_at_once() -> None:
     before, after = await _answer_in_two_steps(body_follows=False)
     assert before.startswith(b"HTTP/1.1 200 ") and before.endswith(b"\r\n\r\n")
     assert after == before + b"ok"
+
+
+async def test_a_held_head_is_written_when_the_app_ends_without_its_body() -> None:
+    """The held head goes out as the exchange ends; the connection then closes (the body is
+    missing), as for any response left unfinished."""
+
+    async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        await receive()
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", b"2")],
+        }
+        start[BODY_FOLLOWS] = True
+        await send(start)  # and no body
+
+    async with _served(app) as port:
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(REQUEST)
+        received = b""
+        with trio.fail_after(5):
+            while chunk := await client.receive_some(65536):
+                received += chunk
+        await client.aclose()
+    assert received.startswith(b"HTTP/1.1 200 ") and received.endswith(b"\r\n\r\n")
+
+
+# --- HTTP/2 ---------------------------------------------------------------------------------------
+
+
+async def _h2_get(port: int, client: h2.connection.H2Connection, request: int) -> list[object]:
+    """Send what `client` has queued (ending with a GET on stream `request`) and collect the h2
+    events until that stream ends."""
+    events: list[object] = []
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(client.data_to_send())
+    with trio.fail_after(5):
+        while not any(
+            isinstance(event, h2.events.StreamEnded) and event.stream_id == request
+            for event in events
+        ):
+            data = await stream.receive_some(65536)
+            assert data, "the server closed the connection"
+            events += client.receive_data(data)
+            await stream.send_all(client.data_to_send())
+    await stream.aclose()
+    return events
+
+
+def _h2_client() -> h2.connection.H2Connection:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    return client
+
+
+def _get(client: h2.connection.H2Connection, stream_id: int) -> None:
+    headers = [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "t")]
+    client.send_headers(stream_id, headers, end_stream=True)
+
+
+async def _answer_ok(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+    if scope["type"] == "lifespan":
+        await answer_lifespan(receive, send)
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_the_last_data_frame_ends_the_stream() -> None:
+    """END_STREAM goes with the last byte of the body, not in an empty DATA frame of its own."""
+    client = _h2_client()
+    _get(client, 1)
+    async with _served(_answer_ok) as port:
+        events = await _h2_get(port, client, 1)
+    data = [event for event in events if isinstance(event, h2.events.DataReceived)]
+    assert [event.data for event in data] == [b"ok"]
+    assert data[0].stream_ended is not None
+
+
+async def test_priority_frames_for_streams_that_are_not_open_park_nothing() -> None:
+    """Hypercorn parked a placeholder in the send scheduler for each PRIORITY frame on a stream
+    that is not open; past the scheduler's 999 the connection task failed and the connection
+    closed. Now they are ignored, and the connection serves its requests."""
+    client = _h2_client()
+    for stream_id in range(3, 2203, 2):  # 1100 streams never opened
+        client.prioritize(stream_id, weight=16)
+    _get(client, 2203)
+    async with _served(_answer_ok) as port:
+        events = await _h2_get(port, client, 2203)
+    statuses = [
+        dict(event.headers)[b":status"]
+        for event in events
+        if isinstance(event, h2.events.ResponseReceived)
+    ]
+    body = b"".join(event.data for event in events if isinstance(event, h2.events.DataReceived))
+    assert (statuses, body) == ([b"200"], b"ok")
+
+
+# --- the keep-alive timer, stopped ---------------------------------------------------------------
+
+
+async def test_stopping_the_keep_alive_timer_does_not_go_through_the_scheduler() -> None:
+    """Hypercorn's stop took an async lock: another task could run in the middle of every stop
+    (trio orders a batch of runnable tasks at random, so one stop alone shows it about half the
+    time; twenty show it all but surely)."""
+    timer = TrioSingleTask()
+    ran: list[int] = []
+
+    async def other(index: int) -> None:
+        ran.append(index)
+
+    async with trio.open_nursery() as nursery:
+        group = SimpleNamespace(_nursery=nursery)
+        for index in range(20):
+            await timer.restart(group, trio.sleep_forever)
+            nursery.start_soon(other, index)
+            await timer.stop()
+            assert ran == [], index
+            await trio.testing.wait_all_tasks_blocked()
+            ran.clear()

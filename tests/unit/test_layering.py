@@ -124,6 +124,7 @@ def test_pure_decision_modules_do_no_io() -> None:
         "activator/lease.py",
         "load_balancing/balancers.py",
         "control_plane/admission.py",
+        "hypercorn_patches/table.py",
         "mock/scheduler.py",
         "pylon/stats/sse.py",
         "pylon/stats/tokens.py",

@@ -19,9 +19,10 @@ from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry
 from trio.testing import MockClock
 
-from stargate import hypercorn_fixes, serving
+from stargate import serving
 from stargate.asgi import answer_lifespan
 from stargate.config import ListenAddress, TlsConfig, WarmupConfig
+from stargate.hypercorn_patches import tcp as tcp_patches
 from stargate.metrics import ReadinessMetrics, TlsMetrics
 from stargate.readiness import Readiness
 from stargate.tls import MATERIAL_TYPE, Identity, IdentityError, ServedIdentity, is_expired
@@ -313,7 +314,7 @@ def test_without_tls_the_certificate_never_expires() -> None:
 
 
 async def test_a_tls_connection_still_names_its_peer(ca: trustme.CA, tmp_path: Path) -> None:
-    """The contained-failure log names the peer of a TLS connection too (hypercorn_fixes._peer
+    """The contained-failure log names the peer of a TLS connection too (`tcp_patches.peer`
     looks through `trio.SSLStream` at the socket it wraps)."""
     cert, key, _ = _pair(ca, tmp_path)
     identity = ServedIdentity.load(TlsConfig(cert, key))
@@ -323,7 +324,7 @@ async def test_a_tls_connection_still_names_its_peer(ca: trustme.CA, tmp_path: P
     server = await listeners[0].accept()
     tls = trio.SSLStream(server, identity.context, server_side=True)
     host, client_port = client.socket.getsockname()[:2]
-    assert hypercorn_fixes._peer(tls) == f"{host}:{client_port}"
+    assert tcp_patches.peer(tls) == f"{host}:{client_port}"
     for resource in (client, server, listeners[0]):
         await resource.aclose()
 

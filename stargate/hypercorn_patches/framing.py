@@ -1,5 +1,5 @@
 """Strict HTTP/1.1 request framing: a request head whose framing two parsers could read
-differently is refused before any app sees it.
+differently is refused before any app sees it (docs/http-serving.md, "Strict framing").
 
 The replica is a proxy: whatever request head it accepts, it re-serialises for a backend, and
 often sits behind another proxy that parsed the same bytes first. Where h11 (Hypercorn's HTTP/1.1
@@ -25,14 +25,13 @@ and `Connection: close`, and the connection is closed; no app is called, so noth
 backend. HTTP/2 needs no such rule: h2 refuses CR, LF and NUL in header fields itself, and a
 message's framing there is the protocol's, not a header's.
 
-How: h11 picks the reader of a request head from its `READERS` table (`(CLIENT, IDLE)`); `apply()`
-(called when `stargate/serving.py` is imported, beside `hypercorn_fixes.apply()`) replaces that
-entry with one that checks the complete head in the receive buffer before h11 splits it into
-lines, and the parsed request's framing headers after. An error raised there becomes, inside
-h11, the `RemoteProtocolError` Hypercorn answers with 400. The scan runs once per complete head
-(found with h11's own incremental blank-line search), so a head that trickles in is not
-rescanned on every byte. Applies to every HTTP/1.1 server in the process (the replica's
-listeners and the mock backend); h11's client side (the upstream pool) is untouched.
+How: h11 picks the reader of a request head from its `READERS` table (`(CLIENT, IDLE)`);
+`read_request_head` replaces that entry with one that checks the complete head in the receive
+buffer before h11 splits it into lines, and the parsed request's framing headers after. An error
+raised there becomes, inside h11, the `RemoteProtocolError` Hypercorn answers with 400. The scan
+runs once per complete head (found with h11's own incremental blank-line search), so a head that
+trickles in is not rescanned on every byte. Applies to every HTTP/1.1 server in the process (the
+replica's listeners and the mock backend); h11's client side (the upstream pool) is untouched.
 """
 
 from __future__ import annotations
@@ -41,16 +40,14 @@ import re
 from collections.abc import Callable, Iterable
 
 import h11
-from h11._readers import READERS
 from h11._receivebuffer import ReceiveBuffer, blank_line_regex
-from h11._state import CLIENT, IDLE
 
-__all__ = ["apply", "bare_line_break", "conflicting_framing"]
-
-_applied = False
+__all__ = ["bare_line_break", "conflicting_framing", "read_request_head"]
 
 # A line break that is not CRLF: LF without CR before it, or CR without LF after it.
 _BARE_LINE_BREAK = re.compile(rb"(?<!\r)\n|\r(?!\n)")
+
+Reader = Callable[[ReceiveBuffer], object]
 
 
 def bare_line_break(head: bytes | bytearray, end: int | None = None) -> int | None:
@@ -67,16 +64,8 @@ def conflicting_framing(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     return b"content-length" in names and b"transfer-encoding" in names
 
 
-Reader = Callable[[ReceiveBuffer], object]
-
-
-def apply() -> None:
-    """Install the strict request-head reader in h11 (idempotent)."""
-    global _applied
-    if _applied:
-        return
-    _applied = True
-    original: Reader = READERS[(CLIENT, IDLE)]  # type: ignore[assignment]
+def read_request_head(original: Reader) -> Reader:
+    """h11's `READERS[(CLIENT, IDLE)]`: the strict request-head reader."""
 
     def read_request_head(buf: ReceiveBuffer) -> object:
         data = buf._data
@@ -90,4 +79,4 @@ def apply() -> None:
             raise h11.LocalProtocolError("request with both Content-Length and Transfer-Encoding")
         return event
 
-    READERS[(CLIENT, IDLE)] = read_request_head
+    return read_request_head
