@@ -175,7 +175,27 @@ def warmup_options(env_prefix: str) -> Callable[[F], F]:
     )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Main(click.Group):
+    """The `stargate` group: an HTTP stack its patches were not written for is refused with the
+    patch table's own message (what differs, what to do), not a traceback, whichever command
+    first imports the serving code (stargate/hypercorn_patches/table.py)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RuntimeError as error:
+            # Not imported up front: `--help` must not pay for the HTTP stack's imports. When
+            # the error is the table's, its module is loaded already.
+            patches = sys.modules.get("stargate.hypercorn_patches")
+            if patches is not None and isinstance(error, patches.PatchTableMismatch):
+                raise click.ClickException(str(error)) from None
+            raise
+
+
+@click.group(
+    cls=_Main,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(__version__, prog_name="stargate")
 def main() -> None:
     """stargate: an LLM request router replica (Pylon registration, OpenAI-compatible proxy)."""

@@ -546,3 +546,22 @@ def test_bad_pool_ownership_settings_are_usage_errors(
     assert code == 2, output
     assert message in output
     assert captured == []
+
+
+def test_an_http_stack_the_patches_were_not_written_for_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whichever command first loads the serving code, a refused patch table is the table's own
+    message and exit 1, not a traceback."""
+    from stargate import hypercorn_patches
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise hypercorn_patches.PatchTableMismatch("refusing to start: hypercorn 9.9 is installed")
+
+    monkeypatch.setattr(runtime, "run", refuse)
+    result = CliRunner().invoke(
+        main, ["serve", "--readiness-warmup-ms=0", "--disable-dns-discovery"]
+    )
+    assert result.exit_code == 1
+    assert "refusing to start: hypercorn 9.9 is installed" in result.output
+    assert "Traceback" not in result.output
