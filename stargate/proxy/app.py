@@ -44,7 +44,6 @@ from stargate.asgi import (
     disconnect_hook,
 )
 from stargate.config import ProxyConfig
-from stargate.load_balancing.config import AlgorithmSpec
 from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
 from stargate.proxy import json_scan
@@ -61,6 +60,7 @@ from stargate.proxy.contract import (
 )
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
 from stargate.proxy.owner_relay import OwnerRelay, is_relayed
+from stargate.proxy.plan import RequestPlan
 from stargate.proxy.response_body import BodyBroke, send_response
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
@@ -82,10 +82,6 @@ class _ClientGone(Exception):
     pass
 
 
-# Stands in for a key still to be derived from the body (header form; see `_proxy`).
-_PENDING_KEY = "prefix:pending"
-
-
 class ProxyApp:
     """ASGI app: the proxy routes, with `fallback` serving every other path."""
 
@@ -101,6 +97,8 @@ class ProxyApp:
         relay: OwnerRelay | None = None,
     ) -> None:
         self._forwarder = forwarder
+        # Plans each request once: its algorithm, routing input and metric labels.
+        self._planner = forwarder.planner
         self._activator = activator
         # Hands pool requests to the pool's owner when another replica owns the pool
         # (stargate/proxy/owner_relay.py); None: such a request is answered 503.
@@ -181,6 +179,7 @@ class ProxyApp:
     ) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]  # ASGI: names already lower-case
         limit = self._config.max_replay_body_bytes
+        planner = self._planner
         try:
             # docs/data-plane.md, Header contract: every header check comes before the 413. The
             # header form needs no body for them, so the body is read last; the OpenAI form takes
@@ -188,21 +187,17 @@ class ProxyApp:
             if openai_form:
                 body = await _read_body(receive, headers, limit)
                 request = self._with_derived_key(scope, self._parse(scope, headers, body), body)
-                spec = self._forwarder.resolve_algorithm(request)
+                plan = planner.plan(request)
             else:
                 request = self._parse(scope, headers, b"")  # the header form reads no body
                 if self._derive_bytes and request.cache_affinity_key is None:
                     # The key comes from the body, read after every header check: the algorithm
-                    # is checked now with a stand-in key, the key requirement once it is known.
-                    spec = self._forwarder.resolve_algorithm(
-                        replace(request, cache_affinity_key=_PENDING_KEY)
-                    )
+                    # is checked now, the key requirement once the key is known.
+                    spec = planner.algorithm(request)
                     body = await _read_body(receive, headers, limit)
-                    request = self._with_derived_key(scope, request, body)
-                    if request.cache_affinity_key is None:
-                        spec = self._forwarder.resolve_algorithm(request)  # 400 if required
+                    plan = planner.plan(self._with_derived_key(scope, request, body), spec)
                 else:
-                    spec = self._forwarder.resolve_algorithm(request)
+                    plan = planner.plan(request)
                     body = await _read_body(receive, headers, limit)
         except ContractError as error:
             self._count_local(scope["path"], openai_form, error)
@@ -215,7 +210,7 @@ class ProxyApp:
             with trio.CancelScope() as gone:
                 hook.on_disconnect(gone.cancel)
                 try:
-                    await self._exchange(send, scope, request, spec, body, span)
+                    await self._exchange(send, scope, plan, body, span)
                 finally:
                     hook.on_disconnect(None)
             if gone.cancelled_caught:
@@ -224,7 +219,7 @@ class ProxyApp:
         completed = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._exchange(send, scope, request, spec, body, span)
+            await self._exchange(send, scope, plan, body, span)
             completed = True
             nursery.cancel_scope.cancel()
         if not completed:
@@ -234,8 +229,7 @@ class ProxyApp:
         self,
         send: ASGISend,
         scope: ASGIScope,
-        request: ProxyRequest,
-        spec: AlgorithmSpec,
+        plan: RequestPlan,
         body: bytes | bytearray,
         span: RequestSpan | None,
     ) -> None:
@@ -243,24 +237,24 @@ class ProxyApp:
         pool's owner when another replica owns the pool."""
         grant: Grant | None = None
         try:
-            grant = await self._acquire(request, span)
+            grant = await self._acquire(plan.request, span)
         except PoolOwnedElsewhere as elsewhere:
             try:
-                grant = await self._owned_elsewhere(send, request, body, scope, elsewhere)
+                grant = await self._owned_elsewhere(send, plan, body, scope, elsewhere)
             except ActivatorError as error:
-                await self._answer(send, request, _pool_error(error))
+                await self._answer(send, plan, _pool_error(error))
                 return
             if grant is None:
                 return  # answered by the owner
         except ActivatorError as error:
-            await self._answer(send, request, _pool_error(error))
+            await self._answer(send, plan, _pool_error(error))
             return
         try:
-            outcome = await self._forwarder.forward(request, spec, body, span)
+            outcome = await self._forwarder.forward_plan(plan, body, span)
             if isinstance(outcome, LocalError):
-                await self._answer(send, request, outcome.error)
+                await self._answer(send, plan, outcome.error)
             else:
-                await self._stream(send, request, outcome)
+                await self._stream(send, plan, outcome)
         finally:
             if grant is not None:
                 grant.release()  # exactly once, when the response body has ended
@@ -268,7 +262,7 @@ class ProxyApp:
     async def _owned_elsewhere(
         self,
         send: ASGISend,
-        request: ProxyRequest,
+        plan: RequestPlan,
         body: bytes | bytearray,
         scope: ASGIScope,
         elsewhere: PoolOwnedElsewhere,
@@ -291,10 +285,10 @@ class ProxyApp:
         return await self._relay.relay(
             send,
             scope,
-            request,
+            plan.request,
             body,
             elsewhere,
-            lambda status: self._count(request, "", status),
+            lambda status: self._count(plan, "", status),
         )
 
     def _parse(
@@ -345,8 +339,8 @@ class ProxyApp:
         finally:
             span.pool_held(pool, trio.current_time() - started)
 
-    async def _stream(self, send: ASGISend, request: ProxyRequest, outcome: Forwarded) -> None:
-        response, backend = outcome.response, outcome.backend
+    async def _stream(self, send: ASGISend, plan: RequestPlan, outcome: Forwarded) -> None:
+        request, response, backend = plan.request, outcome.response, outcome.backend
         async with response:
             headers = filter_response_headers(response.headers)
             headers += [
@@ -358,7 +352,7 @@ class ProxyApp:
                 headers = [h for h in headers if h[0] != b"x-request-id"]
                 headers.append((b"x-request-id", request.request_id.encode()))
             # Counted before the head goes out: a client that leaves now still got a status.
-            self._count(request, backend.inference_server_id, response.status)
+            self._count(plan, backend.inference_server_id, response.status)
             start = {"type": "http.response.start", "status": response.status, "headers": headers}
             try:
                 await send_response(send, response, start)
@@ -378,15 +372,15 @@ class ProxyApp:
                 )
                 raise UpstreamBodyError(message) from None
 
-    async def _answer(self, send: ASGISend, request: ProxyRequest, error: ContractError) -> None:
-        """Count, then send, an answer the replica makes itself for a parsed request."""
-        self._count(request, "", error.status)
-        await _respond(send, error, request.openai_form, request)
+    async def _answer(self, send: ASGISend, plan: RequestPlan, error: ContractError) -> None:
+        """Count, then send, an answer the replica makes itself for a planned request."""
+        self._count(plan, "", error.status)
+        await _respond(send, error, plan.request.openai_form, plan.request)
 
-    def _count(self, request: ProxyRequest, server_id: str, status: int) -> None:
+    def _count(self, plan: RequestPlan, server_id: str, status: int) -> None:
         metrics = self._metrics
-        metrics.count_response(request.endpoint, _status_class(status))
-        model, routing_key = self._forwarder.metric_labels(request)
+        metrics.count_response(plan.request.endpoint, _status_class(status))
+        model, routing_key = self._planner.labels(plan)
         metrics.count_request(server_id, model, routing_key, str(status))
 
     def _count_local(self, path: str, openai_form: bool, error: ContractError) -> None:

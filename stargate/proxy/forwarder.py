@@ -9,6 +9,11 @@ robin; the inner loop runs attempts on that cluster. Transport failures move to 
 for `queue_estimate_mismatch`. Both retry counters are per request. Once a response head is
 accepted as final nothing is retried: its body is streamed to the client as it arrives. The rules
 themselves are pure functions in `retry.py`; this module runs the loop, the I/O and the metrics.
+Each attempt's outcome becomes its decision, metrics, log line and side effects in one place,
+`Forwarder._conclude`.
+
+A request comes with its `RequestPlan` (stargate/proxy/plan.py): the algorithm, target, routing
+input and metric labels were decided once, before the forwarder saw it, and are not asked again.
 
 The request body is read whole before routing (bounded by `--proxy-max-replay-body-bytes`), so a
 retry can always replay it. That trades the Rust replica's streaming first upload for a simpler,
@@ -41,22 +46,12 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from stargate.config import ProxyConfig
-from stargate.load_balancing.balancers import (
-    RoutingRequest,
-    choose_backend,
-    expected_queue_ms,
-)
-from stargate.load_balancing.config import (
-    AlgorithmSpec,
-    AlgorithmUnavailable,
-    LbConfig,
-    UnknownAlgorithm,
-    parse_algorithm_header,
-    resolve,
-)
+from stargate.load_balancing.balancers import choose_backend, expected_queue_ms
+from stargate.load_balancing.config import AlgorithmSpec, LbConfig
 from stargate.load_balancing.registry import BalancerRegistry, input_work_rejection_for
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.contract import ContractError, Headers, ProxyRequest
+from stargate.proxy.plan import UNREGISTERED, Planner, RequestPlan
 from stargate.proxy.retry import (
     Action,
     Attempts,
@@ -85,6 +80,7 @@ from stargate.upstream import (
 )
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
+    from stargate.routing.state import Reservation
     from stargate.tracing.request import AttemptSpan, RequestSpan
 
 __all__ = [
@@ -99,9 +95,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-UNREGISTERED = "__unregistered__"
-"""The metric label standing for every model (and routing key) that no backend ever registered:
-client input must not create series (docs/clients.md, "Metrics")."""
+# (`UNREGISTERED`, the metric label of targets nobody registered, is stargate/proxy/plan.py's.)
 
 
 def _coded_error(
@@ -215,16 +209,65 @@ class HeadWaits:
 
 @dataclass(slots=True)
 class _RequestContext:
-    """Everything one proxied request carries through its attempts: the request and its body,
-    its target and metric labels, when it started, and its retry state (`retry.Attempts`)."""
+    """Everything one proxied request carries through its attempts: its plan and body, its
+    metric labels (`Planner.labels`), when it started, and its retry state (`retry.Attempts`)."""
 
-    request: ProxyRequest
-    target: RoutingTargetKey
+    plan: RequestPlan
     body: bytes | bytearray
     labels: tuple[str, str]
     start: float
     attempts: Attempts
     trace: RequestSpan | None = None  # the request's root span, with tracing on
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    """How an attempt that got no response head is counted and logged."""
+
+    result: str  # the `proxy_attempts_total` result
+    level: int
+    message: str  # formatted with the request id, the backend id and the error (if any)
+
+
+_FAILED = _Report(
+    "proxy_502", logging.WARNING, "upstream attempt failed: request_id=%s backend=%s error=%s"
+)
+# docs/data-plane.md, Retries: each kind of failure before a response head, as counted and logged.
+_FAILURES: dict[FailureKind, _Report] = {
+    FailureKind.CONNECT: _FAILED,
+    FailureKind.OTHER: _FAILED,  # head timeout, a reset before the head, an upload error
+    # Nothing was received and the body is buffered, so the request moves on as after a
+    # transport failure (no demotion: the control plane already took the backend out).
+    FailureKind.BACKEND_UNROUTABLE: _Report(
+        "proxy_backend_unroutable",
+        logging.INFO,
+        "upstream attempt moved: request_id=%s backend=%s is no longer routable",
+    ),
+    # Chosen while every candidate was at its cap, and no connection freed up within the pool's
+    # acquire timeout: nothing was sent, and the backend is not at fault.
+    FailureKind.BACKEND_FULL: _Report(
+        "proxy_503",
+        logging.WARNING,
+        "no free upstream connection: request_id=%s backend=%s error=%s",
+    ),
+}
+
+# The reserved backend left its target before the attempt: excluded, with no retry spent.
+_BACKEND_LEFT = Decision(Action.SIBLING)
+
+
+def _failure_kind(error: UpstreamError | None) -> FailureKind:
+    """The retry rules' name for an attempt that got no response head: `error`, or none when
+    `backend_unroutable` cancelled the wait."""
+    if error is None:
+        return FailureKind.BACKEND_UNROUTABLE
+    if isinstance(error, ConnectionPoolTimeout):
+        return FailureKind.BACKEND_FULL
+    return FailureKind.CONNECT if isinstance(error, ConnectError) else FailureKind.OTHER
+
+
+def _deadline(start: float, milliseconds: int | None) -> float | None:
+    return None if milliseconds is None else start + milliseconds / 1000
 
 
 class Forwarder:
@@ -256,7 +299,8 @@ class Forwarder:
             max_request_retries=config.max_request_retries,
             require_pylon_retry_signal=config.require_pylon_retry_signal,
         )
-        self._lb_config = lb_config
+        # Builds each request's plan (algorithm, labels, routing input): ProxyApp uses it too.
+        self.planner = Planner(routing, lb_config)
         self._balancers = BalancerRegistry()
         self._metrics = metrics
         self._rng = rng or random.Random()
@@ -306,45 +350,10 @@ class Forwarder:
                 target.model_id,
             )
 
-    def metric_labels(self, request: ProxyRequest) -> tuple[str, str]:
-        """The `(model, routing_key)` label values for `request`: its own for a target some
-        backend registered (now or before), one fixed pair otherwise, so series stay bounded."""
-        target = RoutingTargetKey(request.routing_key, request.model_id)
-        if self._routing.is_known(target):
-            return request.model_id, request.routing_key or ""
-        return UNREGISTERED, "" if request.routing_key is None else UNREGISTERED
-
     def resolve_algorithm(self, request: ProxyRequest) -> AlgorithmSpec:
-        """The algorithm for this request, or a bare 400.
-
-        docs/data-plane.md, Header contract, validation steps 2-3.
-        """
-        header = None
-        if request.routing_method is not None:
-            try:
-                header = parse_algorithm_header(request.routing_method)
-            except UnknownAlgorithm:
-                raise ContractError(
-                    400,
-                    message=f"unknown x-routing-method {request.routing_method!r}",
-                    code="invalid_header",
-                ) from None
-        try:
-            spec = resolve(self._lb_config, request.model_id, header)
-        except AlgorithmUnavailable:
-            raise ContractError(
-                400,
-                message=f"x-routing-method {request.routing_method!r} is not allowed for model "
-                f"{request.model_id!r}",
-                code="invalid_header",
-            ) from None
-        if spec.require_cache_affinity_key and request.cache_affinity_key is None:
-            raise ContractError(
-                400,
-                message=f"model {request.model_id!r} requires an x-cache-affinity-key header",
-                code="invalid_header",
-            )
-        return spec
+        """The algorithm for `request`, or a bare 400 (docs/data-plane.md, Header contract,
+        validation steps 2-3): for callers without a plan; `ProxyApp` plans with `planner`."""
+        return self.planner.plan(request).spec
 
     async def forward(
         self,
@@ -353,28 +362,23 @@ class Forwarder:
         body: bytes | bytearray,
         trace: RequestSpan | None = None,
     ) -> Forwarded | LocalError:
-        """Route and attempt until a final response (or local error) for `request`; `trace`
-        (tracing on) gets the routing decision and a child span per attempt."""
-        target = RoutingTargetKey(request.routing_key, request.model_id)
-        labels = self.metric_labels(request)
+        """`forward_plan` for callers without a plan (tests, tools): `request` routed by `spec`."""
+        return await self.forward_plan(self.planner.plan(request, spec), body, trace)
+
+    async def forward_plan(
+        self, plan: RequestPlan, body: bytes | bytearray, trace: RequestSpan | None = None
+    ) -> Forwarded | LocalError:
+        """Route and attempt until a final response (or local error) for `plan`'s request;
+        `trace` (tracing on) gets the routing decision and a child span per attempt."""
+        request, spec, target = plan.request, plan.spec, plan.target
+        labels = self.planner.labels(plan)
         model, routing_key = labels
-        routing_request = RoutingRequest(
-            model_id=request.model_id,
-            routing_key=request.routing_key,
-            input_tokens=request.input_tokens,
-            priority=request.priority,
-            cache_affinity_key=request.cache_affinity_key,
-            request_slo_ms=request.request_slo_ms,
-        )
         start = trio.current_time()
-        wait_deadline = None if request.max_wait_ms is None else start + request.max_wait_ms / 1000
-        budget_deadline = (
-            None if request.retry_budget_ms is None else start + request.retry_budget_ms / 1000
-        )
-        state = Attempts(budget_deadline=budget_deadline)
-        context = _RequestContext(request, target, body, labels, start, state, trace)
+        state = Attempts(budget_deadline=_deadline(start, request.retry_budget_ms))
+        context = _RequestContext(plan, body, labels, start, state, trace)
         if trace is not None:
             trace.set_request(request, spec.name, len(body))
+        routing_request = plan.routing
         first_selection = True
         while True:
             if not first_selection:
@@ -409,20 +413,10 @@ class Forwarder:
                     model, routing_key, trio.current_time() - start
                 )
             if choice is None:
-                now = trio.current_time()
-                if eligible and wait_deadline is not None and now < wait_deadline:
-                    await trio.sleep(min(wait_deadline - now, self._rng.uniform(0.001, 0.009)))
-                    continue
-                if not expired(state.budget_deadline, now) and state.waive_queue_check():
-                    self._metrics.count_retry(model, "queue_check_waived", routing_key)
-                    continue
-                if (
-                    not clusters
-                    and not self._routing.is_advertised(target)
-                    and not (state.failed_any and not self._routing.any_demoted)
-                ):
-                    return LocalError(no_eligible_candidates(request.model_id))
-                return LocalError(self._unavailable(request, state, bool(eligible), labels))
+                unanswered = await self._nothing_chosen(context, bool(clusters), eligible)
+                if unanswered is not None:
+                    return unanswered
+                continue  # waited, or the queue check waived: choose again
             if trace is not None:
                 trace.routing_choice(
                     len(eligible),
@@ -438,6 +432,29 @@ class Forwarder:
             if outcome is not None:
                 return outcome
             # None: the cluster failed for this request; choose again with it excluded.
+
+    async def _nothing_chosen(
+        self, context: _RequestContext, any_cluster: bool, eligible: Sequence[ClusterSnapshot]
+    ) -> LocalError | None:
+        """The balancer chose nothing (docs/data-plane.md, Forwarding, step 4): None to choose
+        again (after a routing-wait sleep, or with the queue check waived), else the 404 or 503."""
+        plan, state = context.plan, context.attempts
+        now = trio.current_time()
+        wait_deadline = _deadline(context.start, plan.request.max_wait_ms)
+        if eligible and wait_deadline is not None and now < wait_deadline:
+            await trio.sleep(min(wait_deadline - now, self._rng.uniform(0.001, 0.009)))
+            return None
+        model, routing_key = context.labels
+        if not expired(state.budget_deadline, now) and state.waive_queue_check():
+            self._metrics.count_retry(model, "queue_check_waived", routing_key)
+            return None
+        if (
+            not any_cluster
+            and not self._routing.is_advertised(plan.target)
+            and not (state.failed_any and not self._routing.any_demoted)
+        ):
+            return LocalError(no_eligible_candidates(plan.request.model_id))
+        return LocalError(self._unavailable(plan.request, state, bool(eligible), context.labels))
 
     def _excluded_backends(self, state: Attempts) -> AbstractSet[str]:
         """Backends no attempt of this request may use: those it failed, and the demoted ones."""
@@ -478,154 +495,145 @@ class Forwarder:
     async def _attempt_cluster(
         self, context: _RequestContext, cluster: ClusterSnapshot
     ) -> Forwarded | LocalError | None:
-        """Attempts on backends of one cluster; None when the whole cluster failed."""
-        request, target = context.request, context.target
-        model, routing_key = context.labels
+        """Attempts on backends of one cluster until a final answer; None when the whole cluster
+        failed for this request (the balancer then chooses again without it)."""
         state = context.attempts
         while True:
-            counter_key = (target, cluster.cluster_id)
-            counter = self._backend_counters.get(counter_key, 0)
-            self._backend_counters[counter_key] = counter + 1
-            backend = choose_backend(
-                cluster,
-                counter,
-                self._excluded_backends(state),
-                self._has_room if self._any_full else None,
-            )
+            backend = self._next_backend(context.plan.target, cluster, state)
             if backend is None:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
-            server_id = backend.inference_server_id
-            # Each attempt adds its own reservation (docs/data-plane.md, Reservations); only a
-            # queue-estimate mismatch releases it early, otherwise the backend's next heartbeat
-            # does.
-            reservation = self._routing.reserve(
-                target,
-                cluster.cluster_id,
-                backend.registration,
-                request.input_tokens,
-                request.priority,
-            )
-            if reservation is None:
-                # The backend left the target after this cluster's snapshot was taken (a previous
-                # attempt waited): no longer a candidate. Nothing is sent, so no retry is spent.
-                state.failed_backends.add(backend.inference_server_id)
-                continue
-            headers = (
-                request.headers
-                if state.queue_check_waived
-                else _attempt_headers(request.headers, cluster, request.priority)
-            )
-            attempt: AttemptSpan | None = None
-            if context.trace is not None:  # its context replaces the client's traceparent
-                attempt = context.trace.start_attempt(server_id, cluster.cluster_id, backend.url)
-                headers = attempt.inject(headers)
-            url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
-            self._metrics.observe_replay_buffer(request.model_id, len(context.body))
-            response: UpstreamResponse | None = None
-            decision: Decision
-            try:
-                response = await self._request_head(
-                    backend.registration, target, url, headers, context.body
-                )
-            except ConnectionPoolTimeout as error:
-                # Chosen while every candidate was at its cap, and no connection freed up within
-                # the pool's acquire timeout: nothing was sent, and the backend is not at fault.
-                if attempt is not None:
-                    attempt.failed(error)
-                self._metrics.count_attempt(server_id, model, "proxy_503", routing_key)
-                log.warning(
-                    "no free upstream connection: request_id=%s backend=%s error=%s",
-                    request.request_id,
-                    backend.inference_server_id,
-                    error,
-                )
-                decision = decide_transport_failure(
-                    state, FailureKind.BACKEND_FULL, self._retry_policy, trio.current_time()
-                )
-                self._dispatch_failed(request)  # a pool re-checks residency (docs/activator.md)
-            except UpstreamError as error:
-                if attempt is not None:
-                    attempt.failed(error)
-                self._metrics.count_attempt(server_id, model, "proxy_502", routing_key)
-                log.warning(
-                    "upstream attempt failed: request_id=%s backend=%s error=%s",
-                    request.request_id,
-                    backend.inference_server_id,
-                    error,
-                )
-                kind = FailureKind.CONNECT if isinstance(error, ConnectError) else FailureKind.OTHER
-                decision = decide_transport_failure(
-                    state, kind, self._retry_policy, trio.current_time()
-                )
-                if decision.demote:
-                    self._routing.demote(backend.inference_server_id)
-                self._dispatch_failed(request)  # any kind: refused, head timeout, reset, protocol
-            except BaseException:
-                if attempt is not None:  # cancelled (the client left, shutdown): end its span
-                    attempt.abandon()
-                raise
-            else:
-                if response is None:
-                    # The backend stopped being routable before its head arrived: nothing was
-                    # received, the body is buffered, so this is a transport failure for the
-                    # retry rules (no demotion: the control plane already took the backend out).
-                    self._metrics.count_attempt(
-                        server_id, model, "proxy_backend_unroutable", routing_key
-                    )
-                    log.info(
-                        "upstream attempt moved: request_id=%s backend=%s is no longer routable",
-                        request.request_id,
-                        backend.inference_server_id,
-                    )
-                    decision = decide_transport_failure(
-                        state,
-                        FailureKind.BACKEND_UNROUTABLE,
-                        self._retry_policy,
-                        trio.current_time(),
-                    )
-                    self._dispatch_failed(request)
-                else:
-                    self._metrics.count_attempt(
-                        server_id, model, f"upstream_{response.status}", routing_key
-                    )
-                    self._metrics.observe_duration(
-                        server_id, model, routing_key, trio.current_time() - context.start
-                    )
-                    decision = decide_response(
-                        state,
-                        UpstreamHead.from_headers(response.status, response.headers),
-                        self._retry_policy,
-                        trio.current_time(),
-                    )
-                    if decision.release_reservation:
-                        self._routing.release(reservation)
-            if decision.exhausted_reason is not None:
-                self._metrics.count_retry_exhausted(model, decision.exhausted_reason, routing_key)
-            if decision.retry_reason is not None:
-                self._metrics.count_retry(model, decision.retry_reason, routing_key)
-            record(state, decision, backend.inference_server_id, cluster.cluster_id)
-            if attempt is not None:
-                attempt.end(
-                    None if response is None else response.status,
-                    decision.retry_reason,
-                    decision.action is Action.RESPOND,
-                    state,
-                )
-            if decision.action is Action.RESPOND:
+            response, decision = await self._attempt(context, cluster, backend)
+            action = decision.action
+            if action is Action.RESPOND:
                 assert response is not None  # only a response head is passed through
                 return Forwarded(response, backend)
-            if decision.action is Action.FAIL:
-                return LocalError(_upstream_failed(request))
-            if decision.action is Action.UNAVAILABLE:
-                return LocalError(_backends_full(request))
+            if action is Action.FAIL:
+                return LocalError(_upstream_failed(context.plan.request))
+            if action is Action.UNAVAILABLE:
+                return LocalError(_backends_full(context.plan.request))
             if response is not None:
                 await response.aclose()
-            if decision.action is Action.RESEND_WITHOUT_QUEUE_CHECK:
-                continue  # this cluster again (the backend is not excluded), without the check
-            if decision.action is Action.SIBLING:
-                continue  # a sibling first, then another cluster
-            return None  # Action.OTHER_CLUSTER: choose again with this cluster excluded
+            if action is Action.OTHER_CLUSTER:
+                return None
+            # Action.SIBLING: a sibling first, then another cluster. RESEND_WITHOUT_QUEUE_CHECK:
+            # this cluster again (the backend is not excluded), without the check.
+
+    def _next_backend(
+        self, target: RoutingTargetKey, cluster: ClusterSnapshot, state: Attempts
+    ) -> BackendSnapshot | None:
+        """The cluster's round robin (docs/data-plane.md, Backend choice); None: none is left."""
+        counter_key = (target, cluster.cluster_id)
+        counter = self._backend_counters.get(counter_key, 0)
+        self._backend_counters[counter_key] = counter + 1
+        return choose_backend(
+            cluster,
+            counter,
+            self._excluded_backends(state),
+            self._has_room if self._any_full else None,
+        )
+
+    async def _attempt(
+        self, context: _RequestContext, cluster: ClusterSnapshot, backend: BackendSnapshot
+    ) -> tuple[UpstreamResponse | None, Decision]:
+        """One attempt (docs/data-plane.md, One attempt): reserve, send, wait for the head; the
+        response head (None: there is none) and what the retry rules decided."""
+        plan, state = context.plan, context.attempts
+        request = plan.request
+        # Each attempt adds its own reservation (docs/data-plane.md, Reservations); only a
+        # queue-estimate mismatch releases it early, otherwise the backend's next heartbeat does.
+        reservation = self._routing.reserve(
+            plan.target,
+            cluster.cluster_id,
+            backend.registration,
+            request.input_tokens,
+            request.priority,
+        )
+        if reservation is None:
+            # The backend left the target after this cluster's snapshot was taken (a previous
+            # attempt waited): no longer a candidate. Nothing is sent, so no retry is spent.
+            state.failed_backends.add(backend.inference_server_id)
+            return None, _BACKEND_LEFT
+        headers = (
+            request.headers
+            if state.queue_check_waived
+            else _attempt_headers(request.headers, cluster, request.priority)
+        )
+        span: AttemptSpan | None = None
+        if context.trace is not None:  # its context replaces the client's traceparent
+            span = context.trace.start_attempt(
+                backend.inference_server_id, cluster.cluster_id, backend.url
+            )
+            headers = span.inject(headers)
+        url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
+        self._metrics.observe_replay_buffer(request.model_id, len(context.body))
+        try:
+            response = await self._request_head(
+                backend.registration, plan.target, url, headers, context.body
+            )
+        except UpstreamError as error:  # no free connection in time included
+            return None, self._conclude(context, cluster, backend, reservation, span, None, error)
+        except BaseException:
+            if span is not None:  # cancelled (the client left, shutdown): end its span
+                span.abandon()
+            raise
+        return response, self._conclude(context, cluster, backend, reservation, span, response)
+
+    def _conclude(
+        self,
+        context: _RequestContext,
+        cluster: ClusterSnapshot,
+        backend: BackendSnapshot,
+        reservation: Reservation,
+        span: AttemptSpan | None,
+        response: UpstreamResponse | None,
+        error: UpstreamError | None = None,
+    ) -> Decision:
+        """The one place an attempt's outcome becomes its decision, metrics, log line and side
+        effects. The outcome is a response head, or none: `error` (a transport failure, or no
+        connection freed up in time), or neither (`backend_unroutable` cancelled the wait). The
+        rules are `retry.py`'s; `_FAILURES` says how a failure is counted and logged."""
+        state = context.attempts
+        metrics = self._metrics
+        model, routing_key = context.labels
+        server_id = backend.inference_server_id
+        now = trio.current_time()
+        if response is not None:
+            metrics.count_attempt(server_id, model, f"upstream_{response.status}", routing_key)
+            metrics.observe_duration(server_id, model, routing_key, now - context.start)
+            head = UpstreamHead.from_headers(response.status, response.headers)
+            decision = decide_response(state, head, self._retry_policy, now)
+            if decision.release_reservation:
+                self._routing.release(reservation)
+        else:
+            kind = _failure_kind(error)
+            report = _FAILURES[kind]
+            if span is not None and error is not None:
+                span.failed(error)
+            metrics.count_attempt(server_id, model, report.result, routing_key)
+            request_id = context.plan.request.request_id
+            if error is None:
+                log.log(report.level, report.message, request_id, server_id)
+            else:
+                log.log(report.level, report.message, request_id, server_id, error)
+            decision = decide_transport_failure(state, kind, self._retry_policy, now)
+            if decision.demote:
+                self._routing.demote(server_id)
+            # Any kind: a pool re-checks its member's residency (docs/activator.md, Self-heal).
+            self._dispatch_failed(context.plan.request)
+        if decision.exhausted_reason is not None:
+            metrics.count_retry_exhausted(model, decision.exhausted_reason, routing_key)
+        if decision.retry_reason is not None:
+            metrics.count_retry(model, decision.retry_reason, routing_key)
+        record(state, decision, server_id, cluster.cluster_id)
+        if span is not None:
+            span.end(
+                None if response is None else response.status,
+                decision.retry_reason,
+                decision.action is Action.RESPOND,
+                state,
+            )
+        return decision
 
     def _dispatch_failed(self, request: ProxyRequest) -> None:
         """An attempt for `request` ended without a response head."""

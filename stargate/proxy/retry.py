@@ -1,10 +1,15 @@
 """The retry rules of one proxied request, as pure functions: no I/O, no clock, no metrics.
 
 docs/data-plane.md, "Forwarding" and "Retries". The forwarder (`forwarder.py`) owns the loop, the
-upstream I/O and the metric calls; after each attempt it describes what happened (an `Outcome`),
-asks `decide` what to do with it, applies the counters and exclusions with `record`, and then does
-the I/O the `Decision` names. Keeping the rules here lets them be tested without an event loop, in
-the style of the activator's `state.py`.
+upstream I/O and the metric calls; after each attempt, in one place (`Forwarder._conclude`), it
+asks `decide_response` (a response head) or `decide_transport_failure` (none: a `FailureKind`)
+what to do (`decide` takes either, as an `Outcome`), applies the counters and exclusions with
+`record`, and then does the I/O the `Decision` names. Keeping the rules here lets them be tested
+without an event loop, in the style of the activator's `state.py`.
+
+The retry reason is the trimmed `x-stargate-retry-reason`, compared exactly: a reason that merely
+contains `queue_estimate_mismatch` (or is contained in it, or differs in case) is another reason,
+as in the Rust router.
 """
 
 from __future__ import annotations

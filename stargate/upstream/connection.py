@@ -36,16 +36,13 @@ import os
 import re
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Self, TypeAlias, cast
+from typing import Final, Self, TypeAlias, cast
 
 import h11
 import trio
 from h11 import _abnf as abnf
 
 from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
-
-if TYPE_CHECKING:
-    from stargate.upstream.connection_pool import Origin
 
 __all__ = ["Body", "Connection", "Release", "UpstreamResponse", "build_request"]
 
@@ -128,8 +125,10 @@ def build_request(
 class Connection:
     """One socket (plain or TLS) with its h11 state machine.
 
-    `origin`, `idle_since` and `reused` are the pool's bookkeeping; `reused` also decides whether
-    a dead connection is reported as `_DeadBeforeResponse` (retryable by the pool) or as an error.
+    `name` is the origin's `scheme://host:port`, for error messages. `idle_since` and `reused`
+    are the pool's bookkeeping; `reused` also decides whether a dead connection is reported as
+    `_DeadBeforeResponse` (retryable by the pool) or as an error. Which origin the connection
+    belongs to is the pool's own business, kept in its `release` callback.
     """
 
     __slots__ = (
@@ -138,7 +137,7 @@ class Connection:
         "closed",
         "h11",
         "idle_since",
-        "origin",
+        "name",
         "release",
         "reused",
         "socket_stream",
@@ -147,12 +146,12 @@ class Connection:
 
     def __init__(
         self,
-        origin: Origin,
+        name: str,
         stream: trio.abc.Stream,
         socket_stream: trio.SocketStream,
         release: Release,
     ) -> None:
-        self.origin = origin
+        self.name = name
         self.stream = stream
         self.socket_stream = socket_stream
         self.release = release
@@ -239,7 +238,7 @@ class Connection:
             response = await self._receive_head()
         if timeout.cancelled_caught:
             raise ResponseHeadTimeout(
-                f"no response head from {self.origin.key} within {head_timeout}s",
+                f"no response head from {self.name} within {head_timeout}s",
                 request_sent=request_sent,
             )
         return UpstreamResponse(self, response, self.release)
@@ -273,7 +272,7 @@ class Connection:
             if self.reused:
                 raise _DeadBeforeResponse(request_sent=False) from exc
             raise UpstreamProtocolError(
-                f"connection to {self.origin.key} lost while sending the request",
+                f"connection to {self.name} lost while sending the request",
                 request_sent=False,
             ) from exc
 
@@ -285,7 +284,7 @@ class Connection:
                 event = machine.next_event()
             except h11.RemoteProtocolError as exc:
                 raise UpstreamProtocolError(
-                    f"bad response head from {self.origin.key}: {exc}", request_sent=True
+                    f"bad response head from {self.name}: {exc}", request_sent=True
                 ) from exc
             if event is h11.NEED_DATA:
                 try:
@@ -294,7 +293,7 @@ class Connection:
                     if not received:
                         raise _DeadBeforeResponse(request_sent=True) from exc
                     raise UpstreamProtocolError(
-                        f"connection to {self.origin.key} lost while reading the response head",
+                        f"connection to {self.name} lost while reading the response head",
                         request_sent=True,
                     ) from exc
                 if not data and not received:
@@ -305,8 +304,7 @@ class Connection:
                 return event
             elif not isinstance(event, h11.InformationalResponse):  # 1xx: skip, wait for more
                 raise UpstreamProtocolError(
-                    f"unexpected {type(event).__name__} from {self.origin.key} before the "
-                    "response head",
+                    f"unexpected {type(event).__name__} from {self.name} before the response head",
                     request_sent=True,
                 )
 
@@ -436,13 +434,13 @@ class UpstreamResponse:
         except h11.RemoteProtocolError as exc:
             self._broken = True
             raise UpstreamProtocolError(
-                f"response body from {conn.origin.key} ended early or is malformed: {exc}",
+                f"response body from {conn.name} ended early or is malformed: {exc}",
                 request_sent=True,
             ) from exc
         except trio.BrokenResourceError as exc:
             self._broken = True
             raise UpstreamProtocolError(
-                f"connection to {conn.origin.key} lost mid-body", request_sent=True
+                f"connection to {conn.name} lost mid-body", request_sent=True
             ) from exc
         except BaseException:
             # Cancellation (client disconnect) or our own error above: the connection is in the
@@ -471,7 +469,7 @@ class UpstreamResponse:
         except h11.RemoteProtocolError as exc:
             self._broken = True
             raise UpstreamProtocolError(
-                f"response body from {conn.origin.key} ended early or is malformed: {exc}",
+                f"response body from {conn.name} ended early or is malformed: {exc}",
                 request_sent=True,
             ) from exc
         except BaseException:

@@ -22,10 +22,11 @@ production-shaped; one connection's exchange and the response are in `connection
 * **Stale connections**: a server may close an idle keep-alive connection at any moment, so a
   reused connection that dies before any response byte is retried once on a fresh connection
   (see `ConnectionPool.request`).
-* **Release**: every connection is created with the pool's `_release` as its callback; a response
-  calls it once when it is done, and the connection is pooled only after a complete, reusable
-  response (docs/data-plane.md, Cancellation). The pool alone closes connections, since it counts
-  them.
+* **Release**: every connection is created with the pool's `_release`, bound to its origin, as
+  its callback; a response calls it once when it is done, and the connection is pooled only after
+  a complete, reusable response (docs/data-plane.md, Cancellation). The pool alone closes
+  connections, since it counts them. `connection.py` never sees an `Origin` (it imports nothing
+  of this module): the imports go one way.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import ssl
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Self
 from urllib.parse import SplitResult, urlsplit
@@ -464,8 +466,9 @@ class ConnectionPool:
             raise
         self._created += 1
         self._open += 1
-        # The connection's responses give it back through `_release` (see `Release`).
-        return Connection(origin, stream, socket_stream, self._release)
+        # The connection's responses give it back through `_release`, bound to its origin (see
+        # `Release`): the connection itself knows only the origin's name.
+        return Connection(origin.key, stream, socket_stream, partial(self._release, origin))
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._ssl_context is None:
@@ -474,12 +477,12 @@ class ConnectionPool:
 
     # --- connection bookkeeping ---
 
-    def _release(self, conn: Connection, reusable: bool) -> None:
-        """A response is done with `conn`: pool it if it can carry another request, else close.
+    def _release(self, origin: Origin, conn: Connection, reusable: bool) -> None:
+        """A response is done with `conn`, a connection of `origin`: pool it if it can carry
+        another request, else close.
 
-        The `Release` callback of every connection this pool creates.
+        Bound to the origin, the `Release` callback of every connection this pool creates.
         """
-        origin = conn.origin
         if reusable and not self._closed and self._config.max_idle_per_origin > 0:
             machine = conn.h11
             if (

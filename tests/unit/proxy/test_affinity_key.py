@@ -11,11 +11,14 @@ from prometheus_client import CollectorRegistry
 
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ProxyConfig
+from stargate.load_balancing.config import AlgorithmSpec, parse_lb_config
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.affinity_key import KEY_PREFIX, derive_affinity_key
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import ContractError, ProxyRequest
 from stargate.proxy.forwarder import LocalError
+from stargate.proxy.plan import Planner, RequestPlan
+from stargate.routing import RoutingState
 
 CHAT = "/v1/chat/completions"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 100}  # ~2.9 kB
@@ -159,27 +162,37 @@ def test_responses_use_instructions_and_input() -> None:
 # --- ProxyApp: which requests get a key, and what is forwarded ---------------------------------
 
 
+class _CountingPlanner(Planner):
+    """A `Planner` that counts the algorithm resolutions it makes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.resolutions = 0
+
+    def algorithm(self, request: ProxyRequest) -> AlgorithmSpec:
+        self.resolutions += 1
+        return super().algorithm(request)
+
+
 class _Forwarder:
-    """Records what the app routes, then answers 503 itself."""
+    """Plans as the real forwarder does (model `m` requires a cache-affinity key, or not; no
+    `x-routing-method` but its own algorithm is allowed), records what the app routes, then
+    answers 503 itself."""
 
     def __init__(self, require_key: bool = False) -> None:
-        self.require_key = require_key
-        self.resolved: list[ProxyRequest] = []
+        model = {"algorithm": "power-of-n", "require_cache_affinity_key": require_key}
+        lb_config = parse_lb_config({"default": "power-of-n", "models": {"m": model}})
+        self.planner = _CountingPlanner(RoutingState(), lb_config)
         self.forwarded: list[ProxyRequest] = []
+        self.body_read = False  # set by `_call`
 
-    def resolve_algorithm(self, request: ProxyRequest) -> None:
-        self.resolved.append(request)
-        if self.require_key and request.cache_affinity_key is None:
-            raise ContractError(400, message="requires an x-cache-affinity-key header")
-
-    async def forward(
-        self, request: ProxyRequest, spec: object, body: bytes, trace: object = None
+    async def forward_plan(
+        self, plan: RequestPlan, body: bytes, trace: object = None
     ) -> LocalError:
-        self.forwarded.append(request)
+        # The plan routes by the request's key, derived or sent.
+        assert plan.routing.cache_affinity_key == plan.request.cache_affinity_key
+        self.forwarded.append(plan.request)
         return LocalError(ContractError(503))
-
-    def metric_labels(self, request: object) -> tuple[str, str]:
-        return "m", ""
 
 
 async def _call(
@@ -206,7 +219,10 @@ async def _call(
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
+        if not messages:
+            return {"type": "http.disconnect"}
+        forwarder.body_read = True
+        return messages.pop(0)
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -221,6 +237,7 @@ async def _unused(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> Non
 
 
 ON = ProxyConfig(accept_openai_requests=True, derive_affinity_key=True)
+OFF = ProxyConfig(accept_openai_requests=True)
 HEADER_FORM = {"x-model": "m", "x-request-id": "r", "x-input-tokens": "1"}
 BODY = _chat(_turns("x" * 100)[0])
 
@@ -255,5 +272,39 @@ async def test_a_body_without_a_prompt_still_fails_a_required_key() -> None:
     forwarder = _Forwarder(require_key=True)
     assert await _call(forwarder, ON, HEADER_FORM, b"not json") == 400
     assert forwarder.forwarded == []
+    assert forwarder.planner.resolutions == 1  # checked with the key known, not resolved again
     assert await _call(forwarder, ON, {}, _body({"model": "m"})) == 400
     assert forwarder.forwarded == []
+
+
+@pytest.mark.parametrize("headers", [{}, HEADER_FORM], ids=["openai-form", "header-form"])
+@pytest.mark.parametrize(
+    "config", [ON, ProxyConfig(accept_openai_requests=True)], ids=["on", "off"]
+)
+@pytest.mark.parametrize("key", [None, "mine"], ids=["no-key", "sent-key"])
+async def test_the_algorithm_is_resolved_once_per_request(
+    headers: dict[str, str], config: ProxyConfig, key: str | None
+) -> None:
+    """The plan is built once: the derived-key path resolves the algorithm before the body is
+    read and checks the key requirement after, without resolving it again."""
+    forwarder = _Forwarder(require_key=key is None and config.derive_affinity_key)
+    sent = headers if key is None else {**headers, "x-cache-affinity-key": key}
+    assert await _call(forwarder, config, sent, BODY) == 503
+    assert forwarder.planner.resolutions == 1
+    (request,) = forwarder.forwarded
+    assert (request.cache_affinity_key is not None) is (
+        key is not None or config.derive_affinity_key
+    )
+
+
+@pytest.mark.parametrize("method", ["no-such-algorithm", "random"])
+async def test_the_header_form_checks_the_algorithm_before_reading_the_body(method: str) -> None:
+    """Header form, a key to derive: an `x-routing-method` unknown or not allowed for the model
+    is a 400 with the body left unread (docs/data-plane.md, Header contract)."""
+    forwarder = _Forwarder(require_key=True)
+    headers = {**HEADER_FORM, "x-routing-method": method}
+    assert await _call(forwarder, ON, headers, BODY) == 400
+    assert not forwarder.body_read and forwarder.forwarded == []
+    # The key requirement waits for the body: it is read, and its derived key satisfies it.
+    assert await _call(forwarder, ON, HEADER_FORM, BODY) == 503
+    assert forwarder.body_read

@@ -21,9 +21,12 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from stargate.config import ListenAddress, ProxyConfig
+from stargate.load_balancing.config import LbConfig
 from stargate.metrics import ProxyMetrics
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.forwarder import Forwarded
+from stargate.proxy.plan import Planner
+from stargate.routing import RoutingState
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
 from stargate.upstream import UpstreamProtocolError
 from tests.fakes.asgi_apps import not_found
@@ -58,19 +61,13 @@ class _BrokenBody:
 
 
 class _Forwarder:
-    def resolve_algorithm(self, request: object) -> None:
-        return None
+    planner = Planner(RoutingState(), LbConfig())
 
-    async def forward(
-        self, request: object, spec: object, body: bytes, trace: object = None
-    ) -> Forwarded:
+    async def forward_plan(self, plan: object, body: bytes, trace: object = None) -> Forwarded:
         backend = SimpleNamespace(
             inference_server_id="backend-7", url="http://127.0.0.1:9/", cluster_id="c"
         )
         return Forwarded(response=_BrokenBody(), backend=backend)  # type: ignore[arg-type]
-
-    def metric_labels(self, request: object) -> tuple[str, str]:
-        return "m", ""
 
 
 @asynccontextmanager

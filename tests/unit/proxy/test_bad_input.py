@@ -1170,7 +1170,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
         async def boom(*args: object, **kwargs: object) -> object:
             raise RuntimeError("injected fault")
 
-        monkeypatch.setattr(Forwarder, "forward", boom)
+        monkeypatch.setattr(Forwarder, "forward_plan", boom)
     elif fault == "a Rust-form 400 gets a body":
         real_answer = ContractError.answer
 
@@ -1180,14 +1180,14 @@ def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
 
         monkeypatch.setattr(ContractError, "answer", answer)
     elif fault == "a request demotes its backend":
-        real_forward = Forwarder.forward
+        real_forward = Forwarder.forward_plan
 
         async def forward(self: Forwarder, *args: Any, **kwargs: Any) -> Any:
             outcome = await real_forward(self, *args, **kwargs)
             self._routing.demote("b1")
             return outcome
 
-        monkeypatch.setattr(Forwarder, "forward", forward)
+        monkeypatch.setattr(Forwarder, "forward_plan", forward)
     elif fault == "the admin app answers 404 with HTML":
         real_call = ProxyApp.__call__
 

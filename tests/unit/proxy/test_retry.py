@@ -124,7 +124,14 @@ REASONS: dict[str, bytes | None] = {
     "custom": b" overloaded ",
     "mismatch": b"queue_estimate_mismatch",
     "padded-mismatch": b"  queue_estimate_mismatch ",
+    # Near misses: the reason is matched exactly after trimming, as the Rust router does, never
+    # as a substring (either way round) or without case.
+    "longer": b"queue_estimate_mismatch_v2",
+    "inside": b"not_queue_estimate_mismatch",
+    "shorter": b" queue_estimate ",
+    "upper-case": b"QUEUE_ESTIMATE_MISMATCH",
 }
+MISMATCHES = ("mismatch", "padded-mismatch")
 STATUSES = [200, 400, 429, 500, 502, 503, 504]
 
 
@@ -143,12 +150,16 @@ def _expected_reason(status: int, signal: str, reason: str, require_signal: bool
         "custom": "overloaded",
         "mismatch": QUEUE_ESTIMATE_MISMATCH,
         "padded-mismatch": QUEUE_ESTIMATE_MISMATCH,
+        "longer": "queue_estimate_mismatch_v2",
+        "inside": "not_queue_estimate_mismatch",
+        "shorter": "queue_estimate",
+        "upper-case": "QUEUE_ESTIMATE_MISMATCH",
     }[reason]
 
 
 def _expected_release(status: int, signal: str, reason: str) -> bool:
     # Only a 429 with an explicit true signal, whatever the signal setting.
-    return status == 429 and signal in ("true", "padded-true") and "mismatch" in reason
+    return status == 429 and signal in ("true", "padded-true") and reason in MISMATCHES
 
 
 @pytest.mark.parametrize(
@@ -231,6 +242,25 @@ def test_the_mismatch_429_releases_even_when_passed_through() -> None:
     assert decision == Decision(
         Action.RESPOND, exhausted_reason="retry_budget_exhausted", release_reservation=True
     )
+
+
+@pytest.mark.parametrize("reason", sorted(set(REASONS) - set(MISMATCHES) - {"absent"}))
+def test_only_the_exact_mismatch_reason_is_a_mismatch(reason: str) -> None:
+    """A reason that contains, or is contained in, `queue_estimate_mismatch` is another reason:
+    the reservation stays, the whole cluster is excluded, and no last resort follows."""
+    head = UpstreamHead(429, b"true", REASONS[reason])
+    assert not is_queue_estimate_mismatch(head)
+    attempts = _attempts()
+    decision = decide_response(attempts, head, _policy(), NOW)
+    assert decision.action is Action.OTHER_CLUSTER and not decision.release_reservation
+    record(attempts, decision, "b1", "c1")
+    assert attempts.failed_clusters == {"c1"} and attempts.mismatched == {}
+    exhausted = decide_response(_attempts(request=MAX), head, _policy(), NOW)
+    assert exhausted.action is Action.RESPOND  # no resend without the queue check
+    # Nor does `record` take the reason for a mismatch, whatever action it comes with.
+    sibling = Decision(Action.SIBLING, retry="request", retry_reason=retry_reason(head, True))
+    record(attempts, sibling, "b2", "c2")
+    assert attempts.mismatched == {} and not attempts.waive_queue_check()
 
 
 def test_connect_retries_do_not_limit_request_retries() -> None:
