@@ -41,15 +41,25 @@ def free_port() -> int:
     Ports the OS picks for `bind(0)` come from the ephemeral range, which every outgoing
     connection of every process on the machine also draws from; between the pick and the
     replica's bind one of them could take it. Below that range only listeners compete.
+
+    A port is never handed out twice by one test process: the pick releases its probe socket,
+    so two picks before the replica binds could otherwise agree (`Ports.pick` once gave the
+    gRPC and the model-discovery listener the same port, and the replica exited with
+    "Address already in use").
     """
     low = _EPHEMERAL_LOW
+    if len(_handed_out) > (low - 20_000) // 2:
+        _handed_out.clear()  # a very long session: forget the oldest picks rather than fail
     for _ in range(200):
         port = _rng.randrange(20_000, low)
+        if port in _handed_out:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     raise RuntimeError("no free loopback port below the ephemeral range")
 
@@ -65,6 +75,7 @@ def _ephemeral_low() -> int:
 
 _EPHEMERAL_LOW = _ephemeral_low()
 _rng = random.Random()
+_handed_out: set[int] = set()
 
 
 @dataclass
