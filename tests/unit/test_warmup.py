@@ -24,6 +24,16 @@ def test_streak_resets_on_change_and_the_new_value_starts_at_one() -> None:
     assert streak.observe(3)
 
 
+@pytest.mark.parametrize("counts", [(4, 3, 3), (5, 4, 4), (2, 1, 1), (4, 4, 3, 3)])
+def test_a_falling_count_restarts_the_streak_too(counts: tuple[int, ...]) -> None:
+    """A backend leaving (4, then 3) is a change like one arriving: only equal samples extend the
+    streak. (A rule written as "not more than the last" passed every rising-count test.)"""
+    streak = StabilizationStreak(3)
+    assert not any(streak.observe(count) for count in counts)
+    assert streak.length == 2
+    assert streak.observe(counts[-1])
+
+
 def test_zero_never_promotes_and_resets_the_streak() -> None:
     streak = StabilizationStreak(2)
     assert not any(streak.observe(0) for _ in range(10))
