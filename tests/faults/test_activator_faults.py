@@ -58,8 +58,8 @@ SOAK_SECONDS = 24.0
 FLAKY_DEADLINE = 3.0
 SLOW_DEADLINE = 12.0
 SLOW_START = 2.0
-# An engine's own start on a loaded 2-core machine (a Python process importing trio and
-# Hypercorn), plus the drain of the resident's requests: slack on top of a deadline.
+# Stopping the incumbent engine's process and draining its requests on a loaded 2-core machine:
+# what no swap deadline covers (see the bound in the soak below).
 START_MARGIN = 8.0
 HEALTHY = {"model-a": FLAKY_DEADLINE, "model-c": SLOW_DEADLINE, "model-slow": SLOW_DEADLINE}
 RESYNC = 1.0  # --pool-resync-interval-ms, seconds
@@ -272,14 +272,16 @@ async def test_pools_with_a_failing_and_a_slow_member_never_stay_dark(
     )
     assert bad == [], tally.notes
     for model, deadline in HEALTHY.items():
-        # No pool stays dark: each round for a healthy member ends in a 200 within its pool's
-        # swap deadline (the swap in progress when it arrived), then its own member's start:
-        # a resync interval, the start-up slack, and the member's own start delay (`model-slow`
-        # sleeps SLOW_START before it serves; the bound used to leave that out, and rounds
-        # for it took up to 22.3 s against 21 s on CI).
-        own_start = SLOW_START if model == "model-slow" else 0.0
+        # No pool stays dark. The bound follows from the contract, not from a past run: a round
+        # for a healthy member waits for at most the swap in progress when it arrived (ended or
+        # abandoned by its pool's deadline), then its own member's swap, which must succeed
+        # within that same deadline (an abandoned one would have answered 502, a failure the
+        # check above counts), plus a resync interval (a stale belief is corrected at the next
+        # resync) and START_MARGIN for what neither deadline covers: stopping the incumbent's
+        # process and draining its requests. (The bound once added only the member's own start
+        # delay to one deadline and was raised after rounds of 22.3 s against 21 s on CI.)
         assert waits[model], tally.notes
-        assert max(waits[model]) <= deadline + RESYNC + START_MARGIN + own_start, tally.notes
+        assert max(waits[model]) <= 2 * deadline + RESYNC + START_MARGIN, tally.notes
     failures = outcomes[("model-broken", 502, "pool_swap_failed")]
     assert failures >= 2, tally.notes  # the soak did inject the fault, more than once
     swap_failures = "llmkube_modelpool_swap_failures_total"
