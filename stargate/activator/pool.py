@@ -39,6 +39,7 @@ import trio
 
 from stargate.activator.controller import MemberController
 from stargate.activator.errors import (
+    ActivatorError,
     ActivatorStopped,
     HoldTimeout,
     IncumbentBusy,
@@ -57,16 +58,30 @@ from stargate.activator.state import (
     PoolState,
     SwapOutcome,
     SwapState,
+    add_waiter,
+    begin_swap,
+    claim_deactivate,
     classify_swap_end,
-    cleanup_after_acquire,
-    deactivate_skip_reason,
+    count_grant,
     decide,
+    end_swap,
+    forget_on_ownership_change,
     forget_on_ownership_gain,
     forget_on_ownership_loss,
+    forget_on_stop,
+    invalidate_resident,
     is_idle,
+    new_swap,
     reconcile_resident,
+    record_deactivate_task,
+    rederive_resident,
+    release_grant,
+    remove_waiter,
+    request_deactivate,
+    request_swap_cancel,
     resolve_hold_budget,
     resolve_swap_deadline,
+    take_swap_error,
 )
 
 __all__ = ["Activator", "Grant", "PoolSpec"]
@@ -145,6 +160,20 @@ class Grant:
         return f"Grant({self.pool!r}, {self.member!r}, released={self._released})"
 
 
+@dataclass(slots=True)
+class _Acquire:
+    """One `acquire` call's own bookkeeping (not the pool's state): its hold deadline, whether its
+    next pass is the first decided one, and how its cleanup ends."""
+
+    member: str
+    mode: Mode
+    hold_start: float
+    deadline: float
+    first_pass: bool = True  # the first pass decided as owner: reconcile, check the queue bound
+    schedule_cleanup: bool = True  # False: it held nothing (the queue was full)
+    waiting_for_owner: bool = False  # the last pass found another owner, or none
+
+
 class _Pool:
     """One pool's runtime: spec, lock, state and change broadcast."""
 
@@ -167,9 +196,6 @@ class _Pool:
         self.controller_calls: set[trio.CancelScope] = set()
         # Set (and dropped) when the pool turns idle; only exists while someone waits for that.
         self.idle_event: trio.Event | None = None
-        # Counters for tests and `snapshot()`.
-        self.deactivates_skipped = 0
-        self.swaps_started = 0
 
     def notify(self) -> None:
         """Wake every current waiter and install a fresh event (docs/activator.md, State)."""
@@ -189,12 +215,7 @@ class _Pool:
             event.set()
 
     def release(self, member: str) -> None:
-        inflight = self.state.inflight.get(member, 0)
-        if inflight > 0:
-            inflight -= 1
-            self.state.inflight[member] = inflight
-        if inflight == 0:
-            self.state.inflight.pop(member, None)
+        if release_grant(self.state, member):
             self.notify()
 
     def publish_held(self, member: str) -> None:
@@ -284,9 +305,8 @@ class Activator:
         finally:
             self._nursery = None
             for pool in self._pools.values():
-                pool.state.swap = None
+                forget_on_stop(pool.state)
                 pool.swap_scope = None
-                pool.state.pending_deactivate.clear()
                 pool.notify()
 
     # ---- ownership ------------------------------------------------------------------------------
@@ -337,13 +357,11 @@ class Activator:
         elif owner.is_self and not initial:
             # Still ours, yet something changed: it may have been lost and regained between two
             # wake-ups of this watcher, while another replica swapped. Re-read to be sure.
-            st.resident_checked_at = None
+            forget_on_ownership_change(st)
         elif not owner.is_self and pool.owned:
             pool.owned = False
-            swap = forget_on_ownership_loss(st)
+            forget_on_ownership_loss(st)  # marks the running swap "cancelled": quiet
             scope, pool.swap_scope = pool.swap_scope, None
-            if swap is not None and swap.cancel_reason is None:
-                swap.cancel_reason = "cancelled"
             if scope is not None:
                 scope.cancel()
             for call in pool.controller_calls:
@@ -434,8 +452,8 @@ class Activator:
                 "locked": pool.lock.locked(),
                 "owned": pool.owned,
                 "owner": _describe(pool.owner),
-                "swaps_started": pool.swaps_started,
-                "deactivates_skipped": pool.deactivates_skipped,
+                "swaps_started": st.swaps_started,
+                "deactivates_skipped": st.deactivates_skipped,
             }
         return out
 
@@ -445,8 +463,8 @@ class Activator:
         """Re-verify residency on the next acquire (docs/activator.md, Self-heal). A no-op for an
         unknown pool or while a swap owns residency."""
         runtime = self._pools.get(pool)
-        if runtime is not None and runtime.state.swap is None:
-            runtime.state.resident_checked_at = None
+        if runtime is not None:
+            invalidate_resident(runtime.state)
 
     # ---- acquire --------------------------------------------------------------------------------
 
@@ -476,91 +494,78 @@ class Activator:
         pool = self._pool_for(model)
         if self._nursery is None:
             raise ActivatorStopped("Activator.run is not running")
-        spec = pool.spec
-        st = pool.state
-        mode = spec.default_mode if mode is None else mode
+        mode = pool.spec.default_mode if mode is None else mode
         if mode not in ("wait", "if_idle"):
             raise ValueError(f"unknown activation mode {mode!r}")
-        hold = (
-            hold_budget
-            if hold_budget is not None
-            else resolve_hold_budget(
-                spec.hold_budget, spec.swap_budget, self._response_header_timeout
-            )
-        )
+        hold = hold_budget if hold_budget is not None else self.hold_budget(model)
         hold_start = trio.current_time()
-        st.waiting[model] = st.waiting.get(model, 0) + 1
+        call = _Acquire(model, mode, hold_start, hold_start + hold)
+        add_waiter(pool.state, model)
         pool.publish_held(model)
-        schedule_cleanup = True
-        waiting_for_owner = False
         try:
-            with trio.CancelScope(deadline=hold_start + hold):
-                first_pass = True
+            with trio.CancelScope(deadline=call.deadline):
                 while True:
                     async with pool.lock:
-                        if self._nursery is None:
-                            raise ActivatorStopped("the activator stopped")
-                        waiting_for_owner = not self._decides(pool)
-                        if waiting_for_owner:
-                            # Another owner: hand over at once. None yet (or the watcher has not
-                            # applied a gain): wait, woken by every ownership change.
-                            self._raise_if_owned_elsewhere(pool, model, hold_start + hold)
-                        else:
-                            if first_pass and reconcile_resident(
-                                st,
-                                self._availability.is_available,
-                                trio.current_time(),
-                                self._resync_interval,
-                            ):
-                                pool.publish_resident()
-                            decision = decide(st, model, mode)
-                            if decision is Decision.SWAP_ERROR:
-                                message, reason = st.swap_err.pop(model)
-                                raise SwapFailed(
-                                    message, pool=spec.name, member=model, reason=reason
-                                )
-                            if decision is Decision.GRANT:
-                                st.inflight[model] = st.inflight.get(model, 0) + 1
-                                if self._metrics is not None:
-                                    self._metrics.coalesced.labels(
-                                        member=model, pool=spec.name, router=self._router
-                                    ).inc()
-                                return Grant(pool, model)  # no checkpoint from here to the caller
-                            if decision is Decision.BUSY:
-                                if self._metrics is not None:
-                                    self._metrics.busy_skips.labels(
-                                        member=model, pool=spec.name, router=self._router
-                                    ).inc()
-                                raise IncumbentBusy(
-                                    "model pool incumbent busy; swap not started",
-                                    pool=spec.name,
-                                    member=model,
-                                )
-                            if first_pass and st.held() - 1 >= spec.max_held:
-                                schedule_cleanup = False  # this request started and held nothing
-                                raise PoolQueueFull(
-                                    f"model pool {spec.name} already holds {spec.max_held} "
-                                    "requests",
-                                    pool=spec.name,
-                                    member=model,
-                                )
-                            if decision is Decision.START_SWAP:
-                                self._start_swap(pool, st.resident, model, hold_start)
-                            first_pass = False
+                        grant = self._acquire_pass(pool, call)
+                        if grant is not None:
+                            return grant  # no checkpoint from here to the caller
                         changed = pool.changed  # snapshot under the lock: no lost wakeup
                     await changed.wait()
             # Only our own hold deadline lands here; a caller's cancel propagates as Cancelled.
-            if waiting_for_owner:
-                raise NoPoolOwner(
-                    f"no replica owned model pool {spec.name} within the hold budget",
-                    pool=spec.name,
-                    member=model,
-                )
-            raise HoldTimeout(
-                "model pool activation hold budget exceeded", pool=spec.name, member=model
-            )
+            raise self._hold_expired(pool, call)
         finally:
-            self._cleanup(pool, model, schedule=schedule_cleanup)
+            self._cleanup(pool, model, schedule=call.schedule_cleanup)
+
+    def _acquire_pass(self, pool: _Pool, call: _Acquire) -> Grant | None:
+        """One pass of the acquire loop, lock held, no checkpoint (docs/activator.md, Acquire, step
+        3): a grant, an error raised, or None to wait for the next change."""
+        if self._nursery is None:
+            raise ActivatorStopped("the activator stopped")
+        st, name, member = pool.state, pool.spec.name, call.member
+        call.waiting_for_owner = not self._decides(pool)
+        if call.waiting_for_owner:
+            # Another owner: hand over at once. None yet (or the watcher has not applied a gain):
+            # wait, woken by every ownership change.
+            self._raise_if_owned_elsewhere(pool, member, call.deadline)
+            return None
+        is_available = self._availability.is_available
+        now = trio.current_time()
+        if call.first_pass and reconcile_resident(st, is_available, now, self._resync_interval):
+            pool.publish_resident()
+        max_held = pool.spec.max_held if call.first_pass else None
+        decision = decide(st, member, call.mode, max_held=max_held)
+        call.first_pass = False
+        if decision is Decision.GRANT:
+            count_grant(st, member)
+            if self._metrics is not None:
+                labels = {"member": member, "pool": name, "router": self._router}
+                self._metrics.coalesced.labels(**labels).inc()
+            return Grant(pool, member)
+        if decision is Decision.SWAP_ERROR:
+            message, reason = take_swap_error(st, member)
+            raise SwapFailed(message, pool=name, member=member, reason=reason)
+        if decision is Decision.BUSY:
+            if self._metrics is not None:
+                labels = {"member": member, "pool": name, "router": self._router}
+                self._metrics.busy_skips.labels(**labels).inc()
+            message = "model pool incumbent busy; swap not started"
+            raise IncumbentBusy(message, pool=name, member=member)
+        if decision is Decision.QUEUE_FULL:
+            call.schedule_cleanup = False  # this request started and held nothing
+            message = f"model pool {name} already holds {pool.spec.max_held} requests"
+            raise PoolQueueFull(message, pool=name, member=member)
+        if decision is Decision.START_SWAP:
+            self._start_swap(pool, member, call.hold_start)
+        return None
+
+    def _hold_expired(self, pool: _Pool, call: _Acquire) -> ActivatorError:
+        """The error for an acquire whose hold budget ran out."""
+        name = pool.spec.name
+        if call.waiting_for_owner:
+            message = f"no replica owned model pool {name} within the hold budget"
+            return NoPoolOwner(message, pool=name, member=call.member)
+        message = "model pool activation hold budget exceeded"
+        return HoldTimeout(message, pool=name, member=call.member)
 
     def _raise_if_owned_elsewhere(self, pool: _Pool, member: str, deadline: float) -> None:
         """`PoolOwnedElsewhere` when another replica owns `pool` and can be reached."""
@@ -585,14 +590,8 @@ class Activator:
 
         Synchronous: never waits, never notifies.
         """
-        st = pool.state
-        remaining = st.waiting.get(member, 0) - 1
-        if remaining > 0:
-            st.waiting[member] = remaining
-        else:
-            st.waiting.pop(member, None)
+        cancel_swap, gen = remove_waiter(pool.state, member)
         pool.publish_held(member)
-        cancel_swap, gen = cleanup_after_acquire(st, member)
         if cancel_swap:
             self._cancel_swap(pool)
         if gen is not None and schedule and self._decides(pool):
@@ -602,30 +601,17 @@ class Activator:
 
     # ---- swaps ----------------------------------------------------------------------------------
 
-    def _start_swap(
-        self, pool: _Pool, incumbent: str | None, target: str, hold_start: float
-    ) -> None:
-        """Lock held, no checkpoint (docs/activator.md, Swap): set the swap state and spawn its task
-        (the task only runs after this section, so the order of the two steps does not matter)."""
-        st = pool.state
+    def _start_swap(self, pool: _Pool, target: str, hold_start: float) -> None:
+        """Lock held, no checkpoint (docs/activator.md, Swap): spawn the swap's task, then enter the
+        swap in the state (the task only runs after this section)."""
         now = trio.current_time()
         deadline = now + resolve_swap_deadline(pool.spec.swap_budget, self._response_header_timeout)
-        swap = SwapState(
-            gen=st.swap_gen + 1,
-            target=target,
-            incumbent=incumbent,
-            started_at=now,
-            deadline=deadline,
-            hold_start=hold_start,
-        )
+        swap = new_swap(pool.state, target, now=now, deadline=deadline, hold_start=hold_start)
         # F3 (docs/activator.md): every swap runs under a deadline.
         scope = trio.CancelScope(deadline=deadline)
         self._spawn(self._run_swap, pool, swap, scope)
-        st.swap_gen = swap.gen
-        st.swap = swap
+        begin_swap(pool.state, swap)
         pool.swap_scope = scope
-        pool.swaps_started += 1
-        st.swap_err.pop(target, None)
         pool.notify()
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
@@ -639,16 +625,9 @@ class Activator:
 
     def _cancel_swap(self, pool: _Pool) -> None:
         """Cancel-on-timeout: the last waiter for the swap's target left."""
-        swap = pool.state.swap
         scope = pool.swap_scope
-        if swap is None or scope is None:
-            return
-        if swap.cancel_reason is None:
-            # First cause wins (docs/activator.md, Swap): past the deadline the swap already ended
-            # by "deadline".
-            past_deadline = trio.current_time() >= swap.deadline
-            swap.cancel_reason = "deadline" if past_deadline else "cancelled"
-        scope.cancel()
+        if scope is not None and request_swap_cancel(pool.state, now=trio.current_time()):
+            scope.cancel()
 
     async def _run_swap(self, pool: _Pool, swap: SwapState, scope: trio.CancelScope) -> None:
         error: BaseException | None = None
@@ -677,90 +656,70 @@ class Activator:
         error: BaseException | None,
         t0: float,
     ) -> None:
-        """The swap task's completion, under the lock (docs/activator.md, Swap)."""
-        st = pool.state
-        spec = pool.spec
+        """The swap task's completion, under the lock (docs/activator.md, Swap): the state change
+        is `end_swap`; here the metrics and logs, and an abandoned target's deactivate (F4)."""
         async with pool.lock:
             try:
-                if st.swap is not swap:
-                    return  # F2 (docs/activator.md): superseded; never touch a newer swap's state
-                st.swap = None
-                pool.swap_scope = None
                 now = trio.current_time()
-                target = swap.target
+                if not end_swap(pool.state, swap, outcome, now=now, error=error):
+                    return  # F2 (docs/activator.md): superseded; never touch a newer swap's state
+                pool.swap_scope = None
                 if outcome is SwapOutcome.SUCCESS:
-                    st.resident = target
-                    st.resident_checked_at = now
-                    if self._metrics is not None:
-                        m = self._metrics
-                        m.swaps.labels(
-                            **{"from": swap.incumbent or ""},
-                            pool=spec.name,
-                            router=self._router,
-                            to=target,
-                        ).inc()
-                        m.swap_duration.labels(pool=spec.name, router=self._router).observe(
-                            now - t0
-                        )
-                        m.hold_duration.labels(
-                            member=target, pool=spec.name, router=self._router
-                        ).observe(now - swap.hold_start)
+                    self._report_swap(pool, swap, now, t0)
                     pool.publish_resident()
-                elif outcome is SwapOutcome.CANCELLED:
-                    pass  # F5 (docs/activator.md): quiet; the deferred deactivate scales it down
-                elif outcome is SwapOutcome.ABANDONED:
-                    elapsed = now - swap.started_at
-                    log.error(
-                        "model pool swap abandoned",
-                        extra={
-                            "pool": spec.name,
-                            "member": target,
-                            "from": swap.incumbent or "",
-                            "to": target,
-                            "reason": "deadline",
-                            "elapsed": round(elapsed, 3),
-                        },
-                    )
-                    self._count_failure(pool, target, "deadline")
-                    st.swap_err[target] = (
-                        f"model pool swap to member {target} abandoned after {elapsed:.3f}s; "
-                        "target never became resident",
-                        "deadline",
-                    )
-                    # F4 (docs/activator.md): scale the target down while the lock is held, so no
-                    # waiter can start a fresh swap whose Activate this patch would undo.
-                    await self._deactivate_locked(
-                        pool, target, "model pool deactivate after abandoned swap failed"
-                    )
-                else:
-                    log.error(
-                        "model pool swap failed",
-                        extra={
-                            "pool": spec.name,
-                            "member": target,
-                            "from": swap.incumbent or "",
-                            "to": target,
-                            "reason": "error",
-                            "error": repr(error),
-                        },
-                    )
-                    self._count_failure(pool, target, "error")
-                    st.swap_err[target] = (
-                        f"model pool swap failed for member {target}: {error}",
-                        "error",
-                    )
-                if outcome is SwapOutcome.ABANDONED or outcome is SwapOutcome.FAILED:
-                    # The controller may have stopped the incumbent while starting the target (a
-                    # process pool does): re-derive who is resident now, before the waiters this
-                    # wakes decide on the belief from before the swap (docs/activator.md,
-                    # Self-heal; tests/faults/test_activator_faults.py).
-                    st.resident_checked_at = None
-                    if reconcile_resident(
-                        st, self._availability.is_available, now, self._resync_interval
-                    ):
+                elif outcome is not SwapOutcome.CANCELLED:  # F5: a cancelled swap stays quiet
+                    self._report_swap_failure(pool, swap, outcome, error, now)
+                    if outcome is SwapOutcome.ABANDONED:
+                        # F4 (docs/activator.md): scale the target down while the lock is held, so
+                        # no waiter can start a fresh swap whose Activate this patch would undo.
+                        message = "model pool deactivate after abandoned swap failed"
+                        await self._deactivate_locked(pool, swap.target, message)
+                    available = self._availability.is_available
+                    if rederive_resident(pool.state, available, now, self._resync_interval):
                         pool.publish_resident()
             finally:
                 pool.notify()
+
+    def _report_swap(self, pool: _Pool, swap: SwapState, now: float, t0: float) -> None:
+        """The metrics of a successful swap."""
+        if self._metrics is None:
+            return
+        m, name, router = self._metrics, pool.spec.name, self._router
+        m.swaps.labels(
+            **{"from": swap.incumbent or ""}, pool=name, router=router, to=swap.target
+        ).inc()
+        m.swap_duration.labels(pool=name, router=router).observe(now - t0)
+        m.hold_duration.labels(member=swap.target, pool=name, router=router).observe(
+            now - swap.hold_start
+        )
+
+    def _report_swap_failure(
+        self,
+        pool: _Pool,
+        swap: SwapState,
+        outcome: SwapOutcome,
+        error: BaseException | None,
+        now: float,
+    ) -> None:
+        """The error log and the failure counter of an abandoned (F4) or failed swap."""
+        abandoned = outcome is SwapOutcome.ABANDONED
+        reason = "deadline" if abandoned else "error"
+        target = swap.target
+        extra: dict[str, object] = {
+            "pool": pool.spec.name,
+            "member": target,
+            "from": swap.incumbent or "",
+            "to": target,
+            "reason": reason,
+        }
+        if abandoned:
+            extra["elapsed"] = round(now - swap.started_at, 3)
+        else:
+            extra["error"] = repr(error)
+        log.error(
+            "model pool swap abandoned" if abandoned else "model pool swap failed", extra=extra
+        )
+        self._count_failure(pool, target, reason)
 
     def _count_failure(self, pool: _Pool, member: str, reason: str) -> None:
         if self._metrics is not None:
@@ -772,42 +731,31 @@ class Activator:
 
     def _schedule_deactivate(self, pool: _Pool, member: str, gen: int) -> None:
         """F1 (docs/activator.md): asynchronous, the caller never waits. At most one pending task
-        per member: a later cleanup only moves the captured generation forward (the newest "last
-        waiter left")."""
-        st = pool.state
-        if member in st.pending_deactivate:
-            st.pending_deactivate[member] = gen
+        per member (`request_deactivate`)."""
+        if not request_deactivate(pool.state, member, gen):
             return
         try:
             self._spawn(self._deactivate_if_unwanted, pool, member)
         except ActivatorStopped:
             return  # shutting down: nothing runs the patch; the member stays as it is
-        st.pending_deactivate[member] = gen
+        record_deactivate_task(pool.state, member, gen)
 
     async def _deactivate_if_unwanted(self, pool: _Pool, member: str) -> None:
         """docs/activator.md, Deferred deactivate: re-take the lock, re-check, patch under it."""
         if self.before_deactivate is not None:
             await self.before_deactivate(pool.spec.name, member)
-        st = pool.state
         async with pool.lock:
-            gen = st.pending_deactivate.pop(member, None)
-            if gen is None:
-                if pool.idle_event is not None:
-                    pool.signal_idle()
+            skip = claim_deactivate(pool.state, member, decides=self._decides(pool))
+            if skip is None:
+                await self._deactivate_locked(pool, member, "model pool deactivate failed")
                 return
-            skip = deactivate_skip_reason(st, member, gen)
-            if skip is None and not self._decides(pool):
-                skip = "not_owner"  # the next owner decides (docs/pool-ownership.md)
-            if skip is not None:
-                pool.deactivates_skipped += 1
+            if skip != "forgotten":
                 log.debug(
                     "model pool deactivate skipped",
                     extra={"pool": pool.spec.name, "member": member, "reason": skip},
                 )
-                if pool.idle_event is not None:
-                    pool.signal_idle()
-                return
-            await self._deactivate_locked(pool, member, "model pool deactivate failed")
+            if pool.idle_event is not None:
+                pool.signal_idle()
 
     async def _deactivate_locked(self, pool: _Pool, member: str, failure_message: str) -> None:
         """One bounded controller call under the pool lock (deviation from upstream,

@@ -1,9 +1,25 @@
-"""The pure part of the activator: per-pool state and every decision, with no I/O and no trio.
+"""The pure core of the activator: one pool's state, every decision and every state change, with
+no I/O and no trio.
 
-`pool.py` owns the locking, the tasks and the controller calls; each of its locked sections reads
-this state, asks one of the functions below what to do, and applies the answer. Keeping the
-decisions here lets them be tested without an event loop (docs/activator.md, "Acquire" to "Deferred
-deactivate", and "The #1837 fix").
+Like h11's state machine, this file owns every change to a pool's state: `pool.py` (the driver)
+keeps the locks, the tasks and their awaits, the controller calls, the timers and the metrics, and
+never assigns a `PoolState` or `SwapState` field itself. Each of its locked sections reads this
+state, calls one of the transitions below with the event's inputs (the time, an outcome,
+ownership), and does what the answer says. So every transition can be tested with plain values,
+without an event loop (tests/unit/activator/test_state.py; docs/activator.md, "Acquire" to
+"Deferred deactivate", and "The #1837 fix").
+
+The transitions, by event (each documents its contract):
+
+* a request: `add_waiter`, then per pass `decide` and one of `take_swap_error`, `count_grant`
+  or `new_swap` + `begin_swap`; on every exit `remove_waiter`; at the end of its response
+  `release_grant`;
+* a swap: `new_swap`, `begin_swap`, `request_swap_cancel`, `end_swap`, `rederive_resident`;
+* residency: `reconcile_resident`, `invalidate_resident`;
+* the deferred deactivate: `request_deactivate`, `record_deactivate_task`, `claim_deactivate`
+  (whose re-check is `deactivate_skip_reason`);
+* ownership and lifetime: `forget_on_ownership_gain`, `forget_on_ownership_change`,
+  `forget_on_ownership_loss`, `forget_on_stop`.
 """
 
 from __future__ import annotations
@@ -19,16 +35,32 @@ __all__ = [
     "PoolState",
     "SwapOutcome",
     "SwapState",
+    "add_waiter",
+    "begin_swap",
+    "claim_deactivate",
     "classify_swap_end",
     "cleanup_after_acquire",
+    "count_grant",
     "deactivate_skip_reason",
     "decide",
+    "end_swap",
+    "forget_on_ownership_change",
     "forget_on_ownership_gain",
     "forget_on_ownership_loss",
+    "forget_on_stop",
+    "invalidate_resident",
     "is_idle",
+    "new_swap",
     "reconcile_resident",
+    "record_deactivate_task",
+    "rederive_resident",
+    "release_grant",
+    "remove_waiter",
+    "request_deactivate",
+    "request_swap_cancel",
     "resolve_hold_budget",
     "resolve_swap_deadline",
+    "take_swap_error",
 ]
 
 Mode = Literal["wait", "if_idle"]
@@ -37,9 +69,10 @@ CancelReason = Literal["cancelled", "deadline"]
 
 @dataclass(slots=True)
 class SwapState:
-    """The swap in flight. `gen` identifies it (docs/activator.md, F2): only the task started with
-    this object may
-    clear it, and a deferred deactivate compares its captured generation against `gen`."""
+    """The swap in flight. `gen` identifies it (docs/activator.md, F2): its task's `end_swap`
+    touches the state only while this object is still the current swap (ownership loss and the
+    activator stopping drop it first), and a deferred deactivate compares its captured generation
+    against `gen`."""
 
     gen: int
     target: str
@@ -65,8 +98,11 @@ class PoolState:
     inflight: dict[str, int] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)
     # Deferred deactivates scheduled and not yet checked: member -> generation captured by the
-    # latest cleanup that asked for it (at most one task per member; see `cleanup_after_acquire`).
+    # latest cleanup that asked for it (at most one task per member; see `request_deactivate`).
     pending_deactivate: dict[str, int] = field(default_factory=dict)
+    # Counters for tests and the debugging snapshot.
+    swaps_started: int = 0
+    deactivates_skipped: int = 0
 
     @property
     def swapping(self) -> bool:
@@ -76,29 +112,192 @@ class PoolState:
         return sum(self.waiting.values())
 
 
+# ---- acquire ----------------------------------------------------------------------------------
+
+
 class Decision(enum.Enum):
     """What one pass of the acquire loop does (docs/activator.md, Acquire, step 3)."""
 
-    SWAP_ERROR = "swap_error"  # consume swap_err[m] and raise it
-    GRANT = "grant"  # fast path: inflight[m]++
-    START_SWAP = "start_swap"  # start a swap toward m, then wait
+    SWAP_ERROR = "swap_error"  # `take_swap_error` and raise it
+    GRANT = "grant"  # fast path: `count_grant`
+    START_SWAP = "start_swap"  # start a swap toward m (`new_swap`, `begin_swap`), then wait
     BUSY = "busy"  # if_idle and the incumbent is busy: raise at once
+    QUEUE_FULL = "queue_full"  # the first pass found `max_held` others held: raise at once
     WAIT = "wait"  # sleep on the change event
 
 
-def decide(state: PoolState, member: str, mode: Mode) -> Decision:
-    """One pass of the acquire loop, lock held."""
+def add_waiter(state: PoolState, member: str) -> None:
+    """A request entered `acquire` for `member` (docs/activator.md, Acquire, step 2): count it as
+    a waiter. Every call is paired with one `remove_waiter`."""
+    state.waiting[member] = state.waiting.get(member, 0) + 1
+
+
+def decide(state: PoolState, member: str, mode: Mode, *, max_held: int | None = None) -> Decision:
+    """One pass of the acquire loop, lock held; reads only.
+
+    `max_held`: the pool's bound on held requests, passed on the caller's first pass only (the
+    caller is already counted as a waiter): a caller that would wait or start a swap beyond it
+    gets `QUEUE_FULL` instead, while a swap error, a grant and a busy answer come first.
+    """
     if member in state.swap_err:
         return Decision.SWAP_ERROR
+    decision = Decision.WAIT
     if state.swap is None:
         if state.resident == member:
             return Decision.GRANT
         incumbent = state.resident
         if incumbent is None or state.inflight.get(incumbent, 0) == 0:
-            return Decision.START_SWAP
-        if mode == "if_idle":
+            decision = Decision.START_SWAP
+        elif mode == "if_idle":
             return Decision.BUSY
-    return Decision.WAIT
+    if max_held is not None and state.held() - 1 >= max_held:
+        return Decision.QUEUE_FULL
+    return decision
+
+
+def take_swap_error(state: PoolState, member: str) -> tuple[str, str]:
+    """`Decision.SWAP_ERROR`: consume `member`'s one-shot swap error, (message, reason). Only the
+    waiter that takes it sees it; the others start a fresh swap (docs/activator.md, "Behaviours
+    kept on purpose"). KeyError if there is none."""
+    return state.swap_err.pop(member)
+
+
+def count_grant(state: PoolState, member: str) -> None:
+    """`Decision.GRANT`: one more request in flight on `member`, until its `release_grant`."""
+    state.inflight[member] = state.inflight.get(member, 0) + 1
+
+
+def release_grant(state: PoolState, member: str) -> bool:
+    """A grant's response ended (docs/activator.md, Acquire, step 5). Never goes below zero.
+    Returns True when nothing is in flight on `member` any more: the driver notifies, so a waiter
+    for another member can swap."""
+    inflight = state.inflight.get(member, 0)
+    if inflight > 0:
+        inflight -= 1
+        state.inflight[member] = inflight
+    if inflight == 0:
+        state.inflight.pop(member, None)
+        return True
+    return False
+
+
+def cleanup_after_acquire(state: PoolState, member: str) -> tuple[bool, int | None]:
+    """The decision of `remove_waiter`, reads only (waiting already decremented).
+
+    Returns (cancel the swap toward `member`, generation to schedule a deferred deactivate
+    against, or None).
+    """
+    if state.waiting.get(member, 0) > 0 or state.resident == member:
+        return False, None
+    swap = state.swap
+    cancel = swap is not None and swap.target == member
+    return cancel, state.swap_gen
+
+
+def remove_waiter(state: PoolState, member: str) -> tuple[bool, int | None]:
+    """Every acquire exit (docs/activator.md, Acquire, step 4): stop counting the waiter, then
+    decide as `cleanup_after_acquire`. If it was `member`'s last waiter and `member` is not
+    resident, the driver cancels a swap toward it (`request_swap_cancel`, when the first value is
+    True) and, with the generation of the second, schedules its deferred deactivate
+    (`request_deactivate`). Never asks for a notification."""
+    remaining = state.waiting.get(member, 0) - 1
+    if remaining > 0:
+        state.waiting[member] = remaining
+    else:
+        state.waiting.pop(member, None)
+    return cleanup_after_acquire(state, member)
+
+
+# ---- swaps ------------------------------------------------------------------------------------
+
+
+def new_swap(
+    state: PoolState, target: str, *, now: float, deadline: float, hold_start: float
+) -> SwapState:
+    """`Decision.START_SWAP`: the swap to start toward `target`, from the resident, with the next
+    generation; reads only. The driver spawns its task, then applies it with `begin_swap` (so a
+    swap whose task could not start never enters the state)."""
+    return SwapState(
+        gen=state.swap_gen + 1,
+        target=target,
+        incumbent=state.resident,
+        started_at=now,
+        deadline=deadline,
+        hold_start=hold_start,
+    )
+
+
+def begin_swap(state: PoolState, swap: SwapState) -> None:
+    """A swap's task was started (docs/activator.md, Swap): it owns the state from now on (the fast
+    path closes), its generation is current, and the target's old swap error is cleared. The
+    driver notifies."""
+    state.swap_gen = swap.gen
+    state.swap = swap
+    state.swaps_started += 1
+    state.swap_err.pop(swap.target, None)
+
+
+def request_swap_cancel(state: PoolState, *, now: float) -> bool:
+    """The last waiter for the swap's target left (cancel-on-timeout): record why the swap is
+    cancelled, first cause wins (docs/activator.md, Swap): at or past its deadline it already
+    ended by "deadline", else "cancelled". Returns True when a swap runs, whose scope the driver
+    then cancels; False when none does."""
+    swap = state.swap
+    if swap is None:
+        return False
+    if swap.cancel_reason is None:
+        swap.cancel_reason = "deadline" if now >= swap.deadline else "cancelled"
+    return True
+
+
+def end_swap(
+    state: PoolState,
+    swap: SwapState,
+    outcome: SwapOutcome,
+    *,
+    now: float,
+    error: BaseException | None = None,
+) -> bool:
+    """A swap's task finished with `outcome` (`classify_swap_end`), lock held (docs/activator.md,
+    Swap). Returns False, touching nothing, when `swap` is no longer the current one (F2).
+
+    Otherwise the swap state is cleared and: SUCCESS makes the target resident, checked `now`;
+    CANCELLED changes nothing else (F5: the deferred deactivate scales it down); ABANDONED (F4)
+    and FAILED leave a one-shot swap error for the target's next waiter. For those two the driver
+    then logs and counts the failure, deactivates an abandoned target under the lock, and calls
+    `rederive_resident`.
+    """
+    if state.swap is not swap:
+        return False
+    state.swap = None
+    target = swap.target
+    if outcome is SwapOutcome.SUCCESS:
+        state.resident = target
+        state.resident_checked_at = now
+    elif outcome is SwapOutcome.ABANDONED:
+        state.swap_err[target] = (
+            f"model pool swap to member {target} abandoned after {now - swap.started_at:.3f}s; "
+            "target never became resident",
+            "deadline",
+        )
+    elif outcome is SwapOutcome.FAILED:
+        state.swap_err[target] = (f"model pool swap failed for member {target}: {error}", "error")
+    return True
+
+
+def rederive_resident(
+    state: PoolState, is_available: Callable[[str], bool], now: float, resync_interval: float
+) -> bool:
+    """After a failed or abandoned swap: the controller may have stopped the incumbent while
+    starting the target (a pool with the `process` controller does), so re-derive who is resident
+    now, before the waiters the driver wakes decide on the belief from before the swap
+    (docs/activator.md, Self-heal). `reconcile_resident` with the resync interval ignored; returns
+    True when the resident gauge should be republished."""
+    state.resident_checked_at = None
+    return reconcile_resident(state, is_available, now, resync_interval)
+
+
+# ---- residency --------------------------------------------------------------------------------
 
 
 def reconcile_resident(
@@ -122,23 +321,36 @@ def reconcile_resident(
     return True
 
 
-def cleanup_after_acquire(state: PoolState, member: str) -> tuple[bool, int | None]:
-    """The deferred cleanup of every acquire exit (docs/activator.md, Acquire, step 4),
-    waiting already decremented.
+def invalidate_resident(state: PoolState) -> None:
+    """A dispatch to a pooled member ended without a response head (docs/activator.md, Self-heal):
+    re-verify residency on the next acquire. A no-op while a swap owns residency."""
+    if state.swap is None:
+        state.resident_checked_at = None
 
-    Returns (cancel the swap toward `member`, generation to schedule a deferred deactivate
-    against, or None).
-    """
-    if state.waiting.get(member, 0) > 0 or state.resident == member:
-        return False, None
-    swap = state.swap
-    cancel = swap is not None and swap.target == member
-    return cancel, state.swap_gen
+
+# ---- deferred deactivates -----------------------------------------------------------------------
+
+
+def request_deactivate(state: PoolState, member: str, gen: int) -> bool:
+    """F1 (docs/activator.md, Deferred deactivate): `remove_waiter` asked to scale `member` down,
+    against generation `gen`. Returns True when the driver must start a deferred-deactivate task
+    (then `record_deactivate_task`); False when one is already pending for `member`, which now
+    checks against `gen` (the newest "last waiter left"): at most one task per member."""
+    if member in state.pending_deactivate:
+        state.pending_deactivate[member] = gen
+        return False
+    return True
+
+
+def record_deactivate_task(state: PoolState, member: str, gen: int) -> None:
+    """The deferred-deactivate task for `member` was started: it is pending against `gen` until its
+    `claim_deactivate`. (Not called when the task could not start: the activator is stopping.)"""
+    state.pending_deactivate[member] = gen
 
 
 def deactivate_skip_reason(state: PoolState, member: str, gen: int) -> str | None:
     """F1 (docs/activator.md, Deferred deactivate): why the deferred deactivate of `member` must not
-    patch, or None.
+    patch, or None; reads only.
 
     A swap toward `member` with the *same* generation is the cancelled swap still unwinding: it
     does not block the deactivate (intended upstream).
@@ -153,10 +365,35 @@ def deactivate_skip_reason(state: PoolState, member: str, gen: int) -> str | Non
     return None
 
 
+def claim_deactivate(state: PoolState, member: str, *, decides: bool) -> str | None:
+    """The deferred deactivate of `member` re-took the pool lock (docs/activator.md, Deferred
+    deactivate): take its pending entry and re-check. `decides`: this replica still decides for
+    the pool (docs/pool-ownership.md).
+
+    Returns None when the driver must deactivate `member` now, holding the lock through the call.
+    Otherwise why not: "forgotten" (nothing was pending any more: ownership was lost or the
+    activator stopped since), a `deactivate_skip_reason`, or "not_owner"; every reason but
+    "forgotten" counts in `deactivates_skipped`.
+    """
+    gen = state.pending_deactivate.pop(member, None)
+    if gen is None:
+        return "forgotten"
+    skip = deactivate_skip_reason(state, member, gen)
+    if skip is None and not decides:
+        skip = "not_owner"  # the next owner decides
+    if skip is not None:
+        state.deactivates_skipped += 1
+    return skip
+
+
+# ---- ownership and lifetime ---------------------------------------------------------------------
+
+
 def forget_on_ownership_loss(state: PoolState) -> SwapState | None:
     """This replica stopped owning the pool (docs/pool-ownership.md, "The activator with an
     owner"): drop every decision in progress without calling the controller, since the next owner
-    decides now. Returns the swap that was running, whose task the caller cancels.
+    decides now. Returns the swap that was running, whose task the caller cancels; it is marked
+    "cancelled" unless a cause was recorded first, so it ends quietly (F5).
 
     The swap state is cleared here, not by its task, so the task finds itself superseded (F2) and
     only notifies. Pending deferred deactivates are forgotten (their tasks find nothing to do);
@@ -165,6 +402,8 @@ def forget_on_ownership_loss(state: PoolState) -> SwapState | None:
     in-flight counts stay: they are this replica's requests, still real.
     """
     swap = state.swap
+    if swap is not None and swap.cancel_reason is None:
+        swap.cancel_reason = "cancelled"
     state.swap = None
     state.pending_deactivate.clear()
     state.swap_err.clear()
@@ -181,6 +420,21 @@ def forget_on_ownership_gain(state: PoolState) -> None:
     state.swap_err.clear()
 
 
+def forget_on_ownership_change(state: PoolState) -> None:
+    """The pool is still this replica's, yet its ownership changed: it may have been lost and
+    regained between two wake-ups of the watcher while another replica swapped, so the next
+    acquire re-derives residency (even while a swap runs, unlike `invalidate_resident`)."""
+    state.resident_checked_at = None
+
+
+def forget_on_stop(state: PoolState) -> None:
+    """The activator stopped (its nursery, which ran every swap and deferred deactivate, is gone):
+    drop the swap and the pending deactivates, so the waiters the driver wakes find no swap to
+    wait for. The resident belief, counts and swap errors stay."""
+    state.swap = None
+    state.pending_deactivate.clear()
+
+
 def is_idle(state: PoolState) -> bool:
     """Nothing waiting, nothing in flight, no swap and no deferred deactivate still to run: an
     owner may hand the pool over without cutting a decision short."""
@@ -190,6 +444,9 @@ def is_idle(state: PoolState) -> bool:
         and state.swap is None
         and not state.pending_deactivate
     )
+
+
+# ---- outcomes and budgets -----------------------------------------------------------------------
 
 
 class SwapOutcome(enum.Enum):
