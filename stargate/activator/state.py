@@ -145,14 +145,23 @@ def decide(state: PoolState, member: str, mode: Mode, *, max_held: int | None = 
     if state.swap is None:
         if state.resident == member:
             return Decision.GRANT
-        incumbent = state.resident
-        if incumbent is None or state.inflight.get(incumbent, 0) == 0:
+        if not in_flight_elsewhere(state, member):
             decision = Decision.START_SWAP
         elif mode == "if_idle":
             return Decision.BUSY
     if max_held is not None and state.held() - 1 >= max_held:
         return Decision.QUEUE_FULL
     return decision
+
+
+def in_flight_elsewhere(state: PoolState, member: str) -> bool:
+    """A grant is in flight on a member other than `member`: a swap to `member` would scale it
+    down (a controller's `activate` stops every other member), so it must wait ("drain before
+    swap"). Every member counts, not only the believed resident: after an ownership change the
+    belief is dropped (`forget_on_ownership_loss`) while the grants it covered are still in
+    flight, and a swap decided from "no resident" once scaled such a member down under its
+    requests (the shared-pool soak, tests/unit/activator/test_shared_pools.py)."""
+    return any(count > 0 for other, count in state.inflight.items() if other != member)
 
 
 def take_swap_error(state: PoolState, member: str) -> tuple[str, str]:
@@ -359,6 +368,8 @@ def deactivate_skip_reason(state: PoolState, member: str, gen: int) -> str | Non
         return "waiter"
     if state.resident == member:
         return "resident"
+    if state.inflight.get(member, 0) > 0:
+        return "in_flight"  # granted while the resident belief said otherwise: never under it
     swap = state.swap
     if swap is not None and swap.target == member and swap.gen != gen:
         return "newer_swap"

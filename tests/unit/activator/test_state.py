@@ -333,3 +333,31 @@ def test_ownership_gain_change_and_stop() -> None:
     forget_on_stop(stopped)
     assert not stopped.swapping and stopped.pending_deactivate == {}
     assert stopped.resident == "judge" and stopped.waiting == {"coder": 1}
+
+
+def test_no_swap_while_a_grant_is_in_flight_on_any_other_member() -> None:
+    """Drain before swap counts every member, not only the believed resident: an ownership loss
+    drops the belief (`resident` None) while the grants it covered stay in flight; a swap decided
+    from "no resident" then scaled that member down under its requests (the shared-pool soak saw
+    "r0 scaled m1 down with 2 granted")."""
+    st = PoolState(members=("judge", "coder", "writer"), inflight={"judge": 2})
+    forget_on_ownership_loss(st)
+    assert st.resident is None and st.inflight == {"judge": 2}
+    assert decide(st, "coder", "wait") is Decision.WAIT
+    assert decide(st, "coder", "if_idle") is Decision.BUSY
+    # a stale belief naming another member does not hide the grants either
+    st.resident = "writer"
+    assert decide(st, "coder", "wait") is Decision.WAIT
+    # the member in flight may itself be the target (its activate stops the others)
+    st.resident = None
+    assert decide(st, "judge", "wait") is Decision.START_SWAP
+    assert release_grant(st, "judge") is False
+    assert release_grant(st, "judge") is True
+    assert decide(st, "coder", "wait") is Decision.START_SWAP
+
+
+def test_the_deferred_deactivate_never_runs_under_a_grant() -> None:
+    st = PoolState(members=("judge", "coder"), inflight={"coder": 1}, swap_gen=2)
+    assert deactivate_skip_reason(st, "coder", 2) == "in_flight"
+    release_grant(st, "coder")
+    assert deactivate_skip_reason(st, "coder", 2) is None
