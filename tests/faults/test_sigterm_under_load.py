@@ -199,10 +199,13 @@ async def _run(replica: ProxyReplica, engines: list[MockBackendProcess], tally: 
             await trio.sleep(0.05)
 
     async def readiness_watch() -> None:
-        await sigterm_sent.wait()
-        response = await trio.to_thread.run_sync(
-            lambda: httpx.get(f"{replica.base}/readyz", timeout=5)
-        )
+        # The connection is opened (and used) before SIGTERM, so the check does not depend on
+        # connecting within the leave phase: once, with 700 requests in flight on two loaded
+        # cores, a fresh connection made after SIGTERM came after the listener had closed.
+        with httpx.Client(base_url=replica.base, timeout=5) as watcher:
+            await trio.to_thread.run_sync(lambda: watcher.get("/readyz"))
+            await sigterm_sent.wait()
+            response = await trio.to_thread.run_sync(lambda: watcher.get("/readyz"))
         assert response.status_code == 503
         assert response.json()["phase"] == "leaving"
 
