@@ -19,24 +19,22 @@ import logging
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import trio
 
-from stargate.clitools import log_format_option, log_level_option, option
+from stargate.clitools import log_settings
 from stargate.config import ListenAddress
 from stargate.logs import configure_logging
 from stargate.mock.app import MockBackend, MockBackendConfig, drop_filter
-from stargate.mock.prefix_cache import DEFAULT_BLOCK_CHARS, DEFAULT_SPEEDUP
+from stargate.settings import Setting, Settings, SettingsCommand
 
 __all__ = ["SHUTDOWN_GRACE_SECONDS", "mock_backend_command", "run_mock_backend"]
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 5.0
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _server_error_log() -> logging.Logger:
@@ -130,165 +128,156 @@ async def _serve(
     cancel_scope.cancel()  # served and drained: stop watching for signals
 
 
-def _ip_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _ip_address(value: str) -> str:
     text = value.strip().removeprefix("[").removesuffix("]")
     try:
         return str(ipaddress.ip_address(text))
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not an IP address", ctx, param) from None
+        raise ValueError(f"{value!r} is not an IP address") from None
 
 
-def _fraction(ctx: click.Context, param: click.Parameter, value: float) -> float:
+def _fraction(value: float) -> float:
     """Refuses NaN, which `click.FloatRange` lets through."""
     if not 0.0 <= value <= 1.0:
-        raise click.BadParameter(f"{value} is not a number between 0 and 1", ctx, param)
+        raise ValueError(f"{value} is not a number between 0 and 1")
     return value
 
 
-def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+def _finite(value: float) -> float:
     """Refuses NaN and infinity, which `click.FloatRange(min=0)` lets through."""
     if not 0.0 <= value < float("inf"):
-        raise click.BadParameter(f"{value} is not a finite non-negative number", ctx, param)
+        raise ValueError(f"{value} is not a finite non-negative number")
     return value
 
 
-def _models(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
-    """Repeatable, and each value may also be comma-separated; duplicates are dropped."""
-    models = [item.strip() for raw in value for item in raw.split(",") if item.strip()]
+def _models(models: tuple[str, ...]) -> tuple[str, ...]:
+    """At least one; duplicates are dropped."""
     if not models:
-        raise click.BadParameter("at least one model ID is required", ctx, param)
+        raise ValueError("at least one model ID is required")
     return tuple(dict.fromkeys(models))
+
+
+# `stargate mock-backend`: defaults are `MockBackendConfig`'s. The README's flag table lists every
+# one (tests/unit/test_flag_docs.py).
+MOCK_BACKEND = Settings(
+    MockBackendConfig,
+    Setting(
+        "--host",
+        env="STARGATE_MOCK_HOST",
+        to="host",
+        parse=_ip_address,
+        help="IP address to listen on (0.0.0.0 or :: for every interface).",
+    ),
+    Setting(
+        "--port",
+        env="STARGATE_MOCK_PORT",
+        to="port",
+        type=click.IntRange(min=0, max=65535),
+        help="TCP port to listen on; 0 picks a free one. The bound address is printed to stdout "
+        "as `listening on http://HOST:PORT` once the server accepts connections.",
+    ),
+    Setting(
+        "--model",
+        env="STARGATE_MOCK_MODEL",
+        to="models",
+        kind="list",
+        parse=_models,
+        help="A model ID to serve (repeatable or comma-separated); requests naming any other "
+        "model get 400, and GET /v1/models lists these.",
+    ),
+    Setting(
+        "--ttft-ms",
+        env="STARGATE_MOCK_TTFT_MS",
+        to="ttft_ms",
+        type=click.FloatRange(min=0),
+        help="Time to first token, in milliseconds (initial value of the `ttft_ms` knob).",
+    ),
+    Setting(
+        "--inter-token-ms",
+        env="STARGATE_MOCK_INTER_TOKEN_MS",
+        to="inter_token_ms",
+        type=click.FloatRange(min=0),
+        help="Delay between streamed tokens, in milliseconds (initial `inter_token_ms` knob).",
+    ),
+    Setting(
+        "--tokens",
+        env="STARGATE_MOCK_TOKENS",
+        to="tokens",
+        type=click.IntRange(min=1),
+        help="Tokens per answer; a request's max_tokens lowers it (initial `tokens` knob).",
+    ),
+    Setting(
+        "--prefix-cache-blocks",
+        env="STARGATE_MOCK_PREFIX_CACHE_BLOCKS",
+        to="prefix_cache_blocks",
+        type=click.IntRange(min=0),
+        help="Capacity of the prefix-cache model, in blocks (LRU); 0 turns it off. With it on, a "
+        "prompt's cached share cuts its time to first token (initial `prefix_cache_blocks` "
+        "knob).",
+    ),
+    Setting(
+        "--prefix-cache-speedup",
+        env="STARGATE_MOCK_PREFIX_CACHE_SPEEDUP",
+        to="prefix_cache_speedup",
+        type=click.FloatRange(min=0, max=1),
+        parse=_fraction,
+        help="Share of the TTFT a fully cached prompt saves, from 0 to 1: TTFT = ttft_ms * (1 - "
+        "cached share * this) (initial `prefix_cache_speedup` knob).",
+    ),
+    Setting(
+        "--prefix-cache-block-chars",
+        env="STARGATE_MOCK_PREFIX_CACHE_BLOCK_CHARS",
+        to="prefix_cache_block_chars",
+        type=click.IntRange(min=1),
+        help="Characters per prefix-cache block (64 is about 16 tokens); only whole blocks are "
+        "cached (initial `prefix_cache_block_chars` knob).",
+    ),
+    Setting(
+        "--max-num-seqs",
+        env="STARGATE_MOCK_MAX_NUM_SEQS",
+        to="max_num_seqs",
+        type=click.IntRange(min=0),
+        help="Running slots (vLLM's max_num_seqs): at most this many requests generate at once; "
+        "the others wait in a FIFO queue (a stream gets its response head at once). 0 = "
+        "unlimited (initial `max_num_seqs` knob).",
+    ),
+    Setting(
+        "--prefill-ms-per-token",
+        env="STARGATE_MOCK_PREFILL_MS_PER_TOKEN",
+        to="prefill_ms_per_token",
+        type=click.FloatRange(min=0),
+        parse=_finite,
+        help="Prefill time per uncached prompt token, in milliseconds, added to the TTFT once the "
+        "request runs (initial `prefill_ms_per_token` knob).",
+    ),
+    Setting(
+        "--kv-cache-tokens",
+        env="STARGATE_MOCK_KV_CACHE_TOKENS",
+        to="kv_cache_tokens",
+        type=click.IntRange(min=0),
+        help="KV-cache capacity in tokens: a running request holds its prompt and output tokens, "
+        "a request waits until they fit, one that can never fit gets 400, and the prefix cache "
+        "lives in what is left. 0 = unlimited. Also serves GET /kv-cache/stats.",
+    ),
+    Setting(
+        "--engine-stats-stream",
+        env="STARGATE_MOCK_ENGINE_STATS_STREAM",
+        to="engine_stats_stream",
+        kind="switch",
+        help="Serve GET /pylon/v1/stats/stream: NDJSON per-request progress (tokens processed and "
+        "generated) and a ping every 5 s, for a router following the engine's load.",
+    ),
+    *log_settings("STARGATE_MOCK_LOG_LEVEL", "STARGATE_MOCK_LOG_FORMAT"),
+)
 
 
 @click.command(
     "mock-backend",
+    cls=SettingsCommand,
+    settings=MOCK_BACKEND,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
-@option(
-    "--host",
-    envvar="STARGATE_MOCK_HOST",
-    default="127.0.0.1",
-    callback=_ip_address,
-    help="IP address to listen on (0.0.0.0 or :: for every interface).",
-)
-@option(
-    "--port",
-    envvar="STARGATE_MOCK_PORT",
-    type=click.IntRange(min=0, max=65535),
-    default=8001,
-    help="TCP port to listen on; 0 picks a free one. The bound address is printed to stdout as "
-    "`listening on http://HOST:PORT` once the server accepts connections.",
-)
-@option(
-    "--model",
-    "models",
-    envvar="STARGATE_MOCK_MODEL",
-    multiple=True,
-    default=("mock-model",),
-    callback=_models,
-    help="A model ID to serve (repeatable or comma-separated); requests naming any other model "
-    "get 400, and GET /v1/models lists these.",
-)
-@option(
-    "--ttft-ms",
-    envvar="STARGATE_MOCK_TTFT_MS",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    help="Time to first token, in milliseconds (initial value of the `ttft_ms` knob).",
-)
-@option(
-    "--inter-token-ms",
-    envvar="STARGATE_MOCK_INTER_TOKEN_MS",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    help="Delay between streamed tokens, in milliseconds (initial `inter_token_ms` knob).",
-)
-@option(
-    "--tokens",
-    envvar="STARGATE_MOCK_TOKENS",
-    type=click.IntRange(min=1),
-    default=16,
-    help="Tokens per answer; a request's max_tokens lowers it (initial `tokens` knob).",
-)
-@option(
-    "--prefix-cache-blocks",
-    envvar="STARGATE_MOCK_PREFIX_CACHE_BLOCKS",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Capacity of the prefix-cache model, in blocks (LRU); 0 turns it off. With it on, a "
-    "prompt's cached share cuts its time to first token (initial `prefix_cache_blocks` knob).",
-)
-@option(
-    "--prefix-cache-speedup",
-    envvar="STARGATE_MOCK_PREFIX_CACHE_SPEEDUP",
-    type=click.FloatRange(min=0, max=1),
-    default=DEFAULT_SPEEDUP,
-    callback=_fraction,
-    help="Share of the TTFT a fully cached prompt saves, from 0 to 1: TTFT = ttft_ms * (1 - "
-    "cached share * this) (initial `prefix_cache_speedup` knob).",
-)
-@option(
-    "--prefix-cache-block-chars",
-    envvar="STARGATE_MOCK_PREFIX_CACHE_BLOCK_CHARS",
-    type=click.IntRange(min=1),
-    default=DEFAULT_BLOCK_CHARS,
-    help="Characters per prefix-cache block (64 is about 16 tokens); only whole blocks are "
-    "cached (initial `prefix_cache_block_chars` knob).",
-)
-@option(
-    "--max-num-seqs",
-    envvar="STARGATE_MOCK_MAX_NUM_SEQS",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Running slots (vLLM's max_num_seqs): at most this many requests generate at once; the "
-    "others wait in a FIFO queue (a stream gets its response head at once). 0 = unlimited "
-    "(initial `max_num_seqs` knob).",
-)
-@option(
-    "--prefill-ms-per-token",
-    envvar="STARGATE_MOCK_PREFILL_MS_PER_TOKEN",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    callback=_finite,
-    help="Prefill time per uncached prompt token, in milliseconds, added to the TTFT once the "
-    "request runs (initial `prefill_ms_per_token` knob).",
-)
-@option(
-    "--kv-cache-tokens",
-    envvar="STARGATE_MOCK_KV_CACHE_TOKENS",
-    type=click.IntRange(min=0),
-    default=0,
-    help="KV-cache capacity in tokens: a running request holds its prompt and output tokens, a "
-    "request waits until they fit, one that can never fit gets 400, and the prefix cache "
-    "lives in what is left. 0 = unlimited. Also serves GET /kv-cache/stats.",
-)
-@option(
-    "--engine-stats-stream",
-    envvar="STARGATE_MOCK_ENGINE_STATS_STREAM",
-    is_flag=True,
-    default=False,
-    help="Serve GET /pylon/v1/stats/stream: NDJSON per-request progress (tokens processed and "
-    "generated) and a ping every 5 s, for a router following the engine's load.",
-)
-@log_level_option("STARGATE_MOCK_LOG_LEVEL")
-@log_format_option("STARGATE_MOCK_LOG_FORMAT")
-def mock_backend_command(
-    host: str,
-    port: int,
-    models: tuple[str, ...],
-    ttft_ms: float,
-    inter_token_ms: float,
-    tokens: int,
-    prefix_cache_blocks: int,
-    prefix_cache_speedup: float,
-    prefix_cache_block_chars: int,
-    max_num_seqs: int,
-    prefill_ms_per_token: float,
-    kv_cache_tokens: int,
-    engine_stats_stream: bool,
-    log_level: str,
-    log_format: str,
-) -> None:
+def mock_backend_command(**values: Any) -> None:
     """Run a mock OpenAI-compatible inference server for demos, tests and benchmarks.
 
     It serves POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/embeddings
@@ -299,20 +288,6 @@ def mock_backend_command(
     and the KV cache they hold, and it reports its load as vLLM does: GET /metrics (Prometheus,
     vLLM's metric names), GET /kv-cache/stats and GET /pylon/v1/stats/stream.
     """
-    configure_logging(log_level, log_format)
-    config = MockBackendConfig(
-        host=host,
-        port=port,
-        models=models,
-        ttft_ms=ttft_ms,
-        inter_token_ms=inter_token_ms,
-        tokens=tokens,
-        prefix_cache_blocks=prefix_cache_blocks,
-        prefix_cache_speedup=prefix_cache_speedup,
-        prefix_cache_block_chars=prefix_cache_block_chars,
-        max_num_seqs=max_num_seqs,
-        prefill_ms_per_token=prefill_ms_per_token,
-        kv_cache_tokens=kv_cache_tokens,
-        engine_stats_stream=engine_stats_stream,
-    )
+    configure_logging(values["log_level"], values["log_format"])
+    config = MOCK_BACKEND.build(values)
     sys.exit(trio.run(functools.partial(_serve_until_signalled, config)))
