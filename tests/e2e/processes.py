@@ -47,11 +47,11 @@ def free_port() -> int:
     gRPC and the model-discovery listener the same port, and the replica exited with
     "Address already in use").
     """
-    low = _EPHEMERAL_LOW
-    if len(_handed_out) > (low - 20_000) // 2:
+    low, high = _PORT_RANGE
+    if len(_handed_out) > (high - low) // 2:
         _handed_out.clear()  # a very long session: forget the oldest picks rather than fail
     for _ in range(200):
-        port = _rng.randrange(20_000, low)
+        port = _rng.randrange(low, high)
         if port in _handed_out:
             continue
         with socket.socket() as sock:
@@ -73,7 +73,20 @@ def _ephemeral_low() -> int:
         return 32_768
 
 
+def _port_range(ephemeral_low: int) -> tuple[int, int]:
+    """This test process's slice of [20000, ephemeral_low): under pytest-xdist each worker picks
+    from its own slice, so two workers never hand out one port between a pick and a bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return 20_000, ephemeral_low
+    index = int(worker.removeprefix("gw")) % count
+    width = (ephemeral_low - 20_000) // count
+    return 20_000 + index * width, 20_000 + (index + 1) * width
+
+
 _EPHEMERAL_LOW = _ephemeral_low()
+_PORT_RANGE = _port_range(_EPHEMERAL_LOW)
 _rng = random.Random()
 _handed_out: set[int] = set()
 

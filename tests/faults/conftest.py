@@ -4,8 +4,9 @@ Every test here injects faults into real processes on loopback (a replica, mock 
 misbehaving clients and backends) and asserts what a client sees. Each test keeps a `Tally` of
 the faults it injected, the requests it sent and the requests it lost (accepted by the replica
 but never completed, or answered other than documented). At teardown the tally is appended as
-one JSON line to `faults-tally.jsonl` under pytest's base temporary directory, and when the
-session ends the totals are written to the terminal, so CI output shows them without `-s`:
+one JSON line to `faults-tally.jsonl` under pytest's base temporary directory (the controller's,
+when pytest-xdist runs the suite in workers: each worker's own directory is inside it), and when
+the session ends the totals are written to the terminal, so CI output shows them without `-s`:
 
     faults injected N, requests sent M, requests lost L (K of them to known bugs, ...)
 """
@@ -21,7 +22,14 @@ import pytest
 
 from tests.faults.support import Tally
 
-_TALLY_FILE = pytest.StashKey[Path]()
+_TALLY_NAME = "faults-tally.jsonl"
+
+
+def _tally_path(factory: pytest.TempPathFactory, config: pytest.Config) -> Path:
+    """The session's tally file: under the controller's base directory, which a pytest-xdist
+    worker's own base directory (`popen-gwN`) sits in."""
+    base = factory.getbasetemp()
+    return (base.parent if hasattr(config, "workerinput") else base) / _TALLY_NAME
 
 
 @pytest.fixture
@@ -29,8 +37,7 @@ def tally(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Tally]:
     """This test's tally; written to the session's JSON-lines file at teardown (pass or fail)."""
-    path = tmp_path_factory.getbasetemp() / "faults-tally.jsonl"
-    request.config.stash[_TALLY_FILE] = path
+    path = _tally_path(tmp_path_factory, request.config)
     counts = Tally()
     yield counts
     line = {"test": request.node.nodeid, **counts.as_dict()}
@@ -49,8 +56,13 @@ def _enough_descriptors() -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    path = session.config.stash.get(_TALLY_FILE, None)
-    if path is None or not path.exists():
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller reports the whole session
+    factory: pytest.TempPathFactory | None = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    path = _tally_path(factory, session.config)
+    if not path.exists():
         return
     totals = Tally()
     tests = 0
