@@ -705,20 +705,32 @@ class Activator:
         abandoned = outcome is SwapOutcome.ABANDONED
         reason = "deadline" if abandoned else "error"
         target = swap.target
-        extra: dict[str, object] = {
-            "pool": pool.spec.name,
-            "member": target,
-            "from": swap.incumbent or "",
-            "to": target,
-            "reason": reason,
-        }
+        incumbent = swap.incumbent or ""
         if abandoned:
-            extra["elapsed"] = round(now - swap.started_at, 3)
+            elapsed = round(now - swap.started_at, 3)
+            log.error(
+                "model pool swap abandoned",
+                extra={
+                    "pool": pool.spec.name,
+                    "member": target,
+                    "from": incumbent,
+                    "to": target,
+                    "reason": reason,
+                    "elapsed": elapsed,
+                },
+            )
         else:
-            extra["error"] = repr(error)
-        log.error(
-            "model pool swap abandoned" if abandoned else "model pool swap failed", extra=extra
-        )
+            log.error(
+                "model pool swap failed",
+                extra={
+                    "pool": pool.spec.name,
+                    "member": target,
+                    "from": incumbent,
+                    "to": target,
+                    "reason": reason,
+                    "error": repr(error),
+                },
+            )
         self._count_failure(pool, target, reason)
 
     def _count_failure(self, pool: _Pool, member: str, reason: str) -> None:
