@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import Response, request
@@ -27,10 +27,51 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.routing import MapAdapter, PathConverter
 
 from stargate.asgi import visible_query
+from stargate.config import ListenAddress
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 
-__all__ = ["create_admin_app"]
+__all__ = ["ListenerAddresses", "create_admin_app", "debug_state_config"]
+
+
+class ListenerAddresses(Protocol):
+    """The addresses a replica's listeners bound (`stargate.runtime.BoundAddresses` is one)."""
+
+    @property
+    def http(self) -> ListenAddress: ...
+
+    @property
+    def grpc(self) -> ListenAddress: ...
+
+    @property
+    def model_discovery(self) -> ListenAddress: ...
+
+    @property
+    def metrics(self) -> ListenAddress: ...
+
+
+def debug_state_config(
+    *,
+    stargate_id: str,
+    discovery_dns_name: str | None,
+    bound: ListenerAddresses | None,
+    advertise_addr: str | None,
+) -> dict[str, Any]:
+    """`/debug/state`'s `config`: the Rust replica's field set, so tools written for it read
+    ours, with this replica's HTTP transport. The addresses are None until the listeners are
+    bound (and the advertise address until the publisher exists)."""
+    return {
+        "stargate_id": stargate_id,
+        "grpc_listen_addr": None if bound is None else str(bound.grpc),
+        "model_discovery_listen_addr": None if bound is None else str(bound.model_discovery),
+        "http_listen_addr": None if bound is None else str(bound.http),
+        "metrics_listen_addr": None if bound is None else str(bound.metrics),
+        "advertise_addr": advertise_addr,
+        "stargate_discovery_dns_name": discovery_dns_name,
+        "tunnel_protocol": "http",
+        "backend_connectivity": "direct",
+        "direct_quic_connections": 0,
+    }
 
 
 def create_admin_app(

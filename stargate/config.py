@@ -7,6 +7,7 @@ prefix) happens here, so bad input fails before anything is bound or started.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "TlsConfig",
     "TracingConfig",
     "WarmupConfig",
+    "describe",
     "parse_listen_address",
     "validate_metrics_prefix",
 ]
@@ -514,3 +516,18 @@ class ServeConfig:
     def request_body_timeout_seconds(self) -> float | None:
         """None when the request body time is not limited."""
         return self.request_body_timeout_ms / 1000 or None
+
+
+def describe(config: object) -> str:
+    """`key=value` pairs of a (nested) config dataclass, for the one start-up log line: nested
+    configs are flattened so the line reads as one list of settings, but a `ListenAddress` is a
+    value (`host:port`), not a config."""
+    assert dataclasses.is_dataclass(config)
+    parts = []
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, ListenAddress):
+            parts.append(describe(value))
+        else:
+            parts.append(f"{item.name}={value}")
+    return " ".join(parts)

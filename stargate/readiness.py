@@ -1,15 +1,17 @@
-"""Readiness: a one-way warmup latch, a draining flag, and the sampler that ends warmup early.
+"""Readiness: what `/readyz` and gRPC health say, read from the replica's lifecycle; the warmup
+sampler that promotes it; the served certificate's expiry.
 
-`/readyz` answers 200 only when warmup is over and the replica is not draining. Warmup is a trio
-cancel scope (the "cancellable readiness scope"): the sampler runs inside it, and warmup ends when
-the scope ends, whichever comes first of
+The phases and their rules (warming, ready, leaving, draining, done) are `stargate.lifecycle`'s, a
+pure state machine the runtime drives; this module reads it and reacts to its changes. `/readyz`
+answers 200 only in phase `ready`. Warmup is a trio cancel scope (the "cancellable readiness
+scope"): the sampler runs inside it, and warmup ends when the scope ends, whichever comes first of
 
 * stabilization: the total active backend count read from the routing state has been nonzero and
   unchanged for `stabilization_window` samples;
 * the deadline (`--readiness-warmup-ms`), which promotes even with zero backends;
-* shutdown: `begin_leaving()` (or `begin_draining()` when there is no leave phase) cancels the
-  scope, so nothing ever waits on a warmup that cannot finish; `/readyz` stays 503 from then on
-  (phase `leaving`, then `draining`; docs/rolling-restarts.md).
+* shutdown: the lifecycle leaving (or draining, when there is no leave phase) cancels the scope,
+  so nothing ever waits on a warmup that cannot finish; `/readyz` stays 503 from then on (phase
+  `leaving`, then `draining`; docs/rolling-restarts.md).
 
 Promotion is latched: once warm, a later drop of the backend count to zero does not make the
 replica unready (the proxy answers such requests itself; pulling every replica out of the Service
@@ -32,6 +34,7 @@ from datetime import UTC, datetime
 import trio
 
 from stargate.config import WarmupConfig
+from stargate.lifecycle import Lifecycle, Phase
 from stargate.metrics import ReadinessMetrics
 from stargate.warmup import PromotionReason, WarmupSchedule
 
@@ -68,11 +71,12 @@ class ReadinessState:
 
 
 class Readiness:
-    """The replica's readiness: warmup latch plus draining flag.
+    """The replica's readiness: its lifecycle's phase as probes see it, plus the warmup sampler.
 
     Create it before the servers start (warmup time counts from `run_warmup`, which the runtime
     starts first). With a warmup of 0 the replica is ready at construction and `run_warmup` returns
-    at once without reading anything.
+    at once without reading anything. `lifecycle` is the one the runtime drives; without one (a
+    readiness used alone, as in tests) it makes its own, driven through `self.lifecycle`.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class Readiness:
         metrics: ReadinessMetrics | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self._config = config
         self._wall_clock = wall_clock  # unix time, for certificate expiry (tests pass a fake)
@@ -88,9 +93,9 @@ class Readiness:
         self._metrics = metrics
         self._warmup_scope = trio.CancelScope()
         self._promoted = trio.Event()
-        self._promotion: Promotion | None = None
-        self._draining = False
-        self._leaving = False  # set with draining, or alone first during the leave phase
+        self._promotion: Promotion | None = None  # how warmup ended, once it has
+        self.lifecycle = Lifecycle() if lifecycle is None else lifecycle
+        self.lifecycle.watch(self._phase_changed)
         self._started_at: float | None = None
         self._samples = 0
         self._stable_samples = 0
@@ -105,7 +110,7 @@ class Readiness:
     @property
     def ready(self) -> bool:
         """True when `/readyz` should answer 200."""
-        return self._promotion is not None and not self._leaving and not self.certificate_expired
+        return self.lifecycle.phase is Phase.READY and not self.certificate_expired
 
     @property
     def certificate_expired(self) -> bool:
@@ -117,11 +122,12 @@ class Readiness:
     @property
     def warm(self) -> bool:
         """True once warmup has ended, for any reason (latched)."""
-        return self._promotion is not None
+        return self.lifecycle.warm
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        """True once the replica stops accepting (draining, then done)."""
+        return self.lifecycle.stopped_accepting
 
     @property
     def accepting_work(self) -> bool:
@@ -134,7 +140,7 @@ class Readiness:
         predicate, not on phase names. While leaving the replica still serves what reaches it,
         but health checkers should move new work elsewhere, exactly as `/readyz` says.
         """
-        return not self._leaving and not self.certificate_expired
+        return self.lifecycle.accepting_work and not self.certificate_expired
 
     def next_change(self) -> trio.Event:
         """An event set at the next change of `warm`, `ready`, `draining`, `accepting_work` or
@@ -153,13 +159,15 @@ class Readiness:
     @property
     def leaving(self) -> bool:
         """True from the start of a shutdown (the leave phase, then draining)."""
-        return self._leaving
+        return self.lifecycle.shutting_down
 
     def state(self) -> ReadinessState:
+        """The phase as `/readyz` names it: `done` stays `draining` (nothing else changes when the
+        drain finishes), and an expired certificate shows only before a shutdown."""
         reason: str | None
-        if self._draining:
+        if self.lifecycle.stopped_accepting:
             phase, reason = "draining", "the replica is draining (shutting down)"
-        elif self._leaving:
+        elif self.lifecycle.shutting_down:
             phase, reason = "leaving", "the replica is shutting down (leave phase)"
         elif self.certificate_expired:
             phase = "certificate_expired"
@@ -168,7 +176,7 @@ class Readiness:
                 "(notAfter); a valid pair at --tls-cert-path/--tls-key-path is picked up by "
                 "the next reload"
             )
-        elif self._promotion is None:
+        elif not self.lifecycle.warm:
             phase, reason = "warming", "warming up: waiting for the backend count to stabilize"
         else:
             phase, reason = "ready", None
@@ -207,22 +215,6 @@ class Readiness:
                 if outcome.promotion is not None:
                     self._promote(outcome.promotion, elapsed=trio.current_time() - started_at)
                     return
-
-    def begin_leaving(self) -> None:
-        """Shutdown has begun with a leave phase (docs/rolling-restarts.md): `/readyz` turns 503
-        now and for good, and warmup ends if running, while the replica still serves."""
-        if self._leaving:
-            return
-        self._leaving = True
-        self._end_readiness()
-
-    def begin_draining(self) -> None:
-        """The replica stops accepting: phase `draining` (after `begin_leaving`, or at once)."""
-        if self._draining:
-            return
-        self._draining = True
-        self._leaving = True
-        self._end_readiness()
 
     def serve_certificate(self, not_after: float) -> None:
         """A TLS certificate with this notAfter (unix seconds) is served from now on (at start-up
@@ -267,6 +259,14 @@ class Readiness:
         if self._metrics is not None:
             self._metrics.ready.set(1 if self.ready else 0)
 
+    def _phase_changed(self, phase: Phase) -> None:
+        """The lifecycle moved. Leaving (docs/rolling-restarts.md) and draining each turn
+        `/readyz` 503 now and for good and end warmup if it is running, while the replica may
+        still serve; promotion is `_promote`'s own doing, and the drain finishing changes nothing
+        a probe reads."""
+        if phase in (Phase.LEAVING, Phase.DRAINING):
+            self._end_readiness()
+
     def _end_readiness(self) -> None:
         if self._promotion is None:
             elapsed = 0.0 if self._started_at is None else trio.current_time() - self._started_at
@@ -293,6 +293,7 @@ class Readiness:
         if self._promotion is not None:
             return
         self._promotion = Promotion(reason, elapsed, self._samples, self._last_count)
+        self.lifecycle.promote()  # warming -> ready; a no-op when a shutdown ended warmup
         self._warmup_scope.cancel()
         self._promoted.set()
         self._notify_change()

@@ -23,7 +23,13 @@ from typing import Any, Protocol
 
 import trio
 
-from stargate.control_plane.gateway_credentials import BearerProvider, CredentialsError
+from stargate.config import ServeConfig
+from stargate.control_plane.gateway_credentials import (
+    BearerProvider,
+    CredentialsError,
+    gateway_bearer,
+)
+from stargate.serving import StartupError
 
 __all__ = [
     "AuthenticationFailed",
@@ -33,8 +39,10 @@ __all__ = [
     "StaticTokenAuthenticator",
     "WorkerAuthUnavailable",
     "WorkerAuthenticator",
+    "check_worker_auth",
     "parse_gateway_endpoint",
     "read_token_file",
+    "registration_authenticator",
     "system_roots",
 ]
 
@@ -294,3 +302,39 @@ def _gateway_trouble() -> frozenset[object]:
             grpc.StatusCode.UNIMPLEMENTED,
         }
     )
+
+
+def registration_authenticator(config: ServeConfig) -> Authenticator:
+    """Who may register with this replica: the static token of `--registration-token-file`, else
+    the gateway of `--worker-auth-endpoint`, else anyone. A token file or endpoint that cannot be
+    used fails start-up (`StartupError`) rather than leaving registration open."""
+    control = config.control_plane
+    if control.registration_token_file is not None:
+        return StaticTokenAuthenticator(read_token_file(control.registration_token_file))
+    if control.worker_auth_endpoint is not None:
+        try:
+            parse_gateway_endpoint(control.worker_auth_endpoint)
+            return WorkerAuthenticator(
+                control.worker_auth_endpoint,
+                gateway_bearer(config),
+                ca_file=control.worker_auth_ca_file,
+            )
+        except (ValueError, OSError) as error:
+            raise StartupError(f"invalid worker auth configuration: {error}") from error
+    return OpenAuthenticator()
+
+
+async def check_worker_auth(authenticator: Authenticator) -> WorkerAuthenticator | None:
+    """Before serving: the worker-auth gateway answers and the replica's own bearer can be had, so
+    a wrong endpoint, CA or secret fails start-up (`StartupError`) at once rather than at the
+    first registration (docs/worker-auth.md). Returns the gateway's authenticator once checked,
+    None when registration does not use one."""
+    if not isinstance(authenticator, WorkerAuthenticator):
+        return None
+    try:
+        await authenticator.check()
+    except WorkerAuthUnavailable as error:
+        with trio.CancelScope(shield=True):
+            await authenticator.aclose()
+        raise StartupError(str(error)) from None
+    return authenticator

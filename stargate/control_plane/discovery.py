@@ -19,7 +19,9 @@ The module is split so that every rule can be tested without a clock or a networ
 * pure functions (`normalize_remote_urls`, `build_snapshot`, `dns_entries`, `peer_entries`,
   `should_publish`, `next_tick`) hold the rules;
 * `WatchPublisher` owns time and I/O: it polls, decides, and hands the latest snapshot to any
-  number of `WatchSubscription`s with latest-value semantics.
+  number of `WatchSubscription`s with latest-value semantics;
+* `replica_publisher` builds this replica's publisher from its serve config and bound ports (the
+  advertise address rule is `publisher_config`'s).
 
 The snapshots are plain dataclasses; the gRPC layer converts them to protobuf messages.
 """
@@ -30,6 +32,7 @@ import enum
 import ipaddress
 import logging
 import math
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
@@ -45,13 +48,20 @@ from stargate.addresses import (
     is_host_name,
     parse_host_port,
 )
-from stargate.config import ConfigError, DiscoveryConfig, parse_listen_address
+from stargate.config import (
+    ConfigError,
+    DiscoveryConfig,
+    ListenAddress,
+    ServeConfig,
+    parse_listen_address,
+)
 from stargate.control_plane.peer_health import (
     DEFAULT_PEER_CHECK_TIMEOUT_MS,
     PeerChecker,
     PeerHealthMonitor,
     grpc_health_check,
 )
+from stargate.serving import StartupError
 
 __all__ = [
     "DEFAULT_RESOLVE_TIMEOUT_MS",
@@ -64,10 +74,13 @@ __all__ = [
     "WatchSubscription",
     "build_snapshot",
     "dns_entries",
+    "host_address",
     "next_tick",
     "normalize_remote_urls",
     "parse_peer",
     "peer_entries",
+    "publisher_config",
+    "replica_publisher",
     "resolve_ips",
     "should_publish",
 ]
@@ -783,3 +796,45 @@ class WatchSubscription(AsyncIterator[WatchSnapshot]):
                 self._delivered = publisher.version
                 return snapshot
             await publisher._changed.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# This replica's publisher, from its serve config
+
+
+def host_address() -> str:
+    """This host's primary address, for advertising when the listener binds every interface."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def publisher_config(config: ServeConfig, *, grpc_port: int, http_port: int) -> PublisherConfig:
+    """The publisher's config for this replica, with the ports its listeners actually bound.
+
+    The advertise address is `--advertise-addr`, else the gRPC listener's host with its bound
+    port; a listener on every interface (`0.0.0.0`, `::`) advertises this host's primary address
+    instead, which peers and Pylons can dial. The HTTP address advertised beside it is the same
+    host with the HTTP listener's port."""
+    advertise = config.advertise_addr
+    if advertise is None:
+        host = config.listen_addr.host
+        if ipaddress.ip_address(host).is_unspecified:
+            host = host_address()
+        advertise = ListenAddress(host, grpc_port)
+    return PublisherConfig(
+        stargate_id=config.stargate_id,
+        advertise_addr=str(advertise),
+        http_advertise_addr=str(ListenAddress(advertise.host, http_port)),
+        discovery=config.discovery,
+    )
+
+
+def replica_publisher(config: ServeConfig, *, grpc_port: int, http_port: int) -> WatchPublisher:
+    """This replica's `WatchStargates` publisher, built once its listeners are bound; discovery
+    settings that do not hold together fail start-up (`StartupError`)."""
+    try:
+        return WatchPublisher(publisher_config(config, grpc_port=grpc_port, http_port=http_port))
+    except ConfigError as error:
+        raise StartupError(f"invalid discovery configuration: {error}") from error

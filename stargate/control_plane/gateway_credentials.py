@@ -1,7 +1,7 @@
 """The replica's own credentials towards the worker-auth gateway: the bearer it puts on every
 `llm_gateway.LlmGateway/AuthLlmWorker` call (docs/worker-auth.md, "The replica's credentials").
 
-Two providers, chosen by the flags:
+Two providers, chosen by the flags (`gateway_bearer`):
 
 * `SecretsFileBearer` (`--secrets-path`): the string at `--secrets-json-path` in the secrets file,
   re-read when Kubernetes rotates the file (stargate/secrets_file.py);
@@ -33,6 +33,7 @@ from urllib.parse import quote_plus
 import httpx
 import trio
 
+from stargate.config import ServeConfig
 from stargate.secrets_file import SecretsFile, SecretsFileError
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "OAuth2ClientCredentials",
     "SecretsFileBearer",
     "basic_authorization",
+    "gateway_bearer",
 ]
 
 log = logging.getLogger(__name__)
@@ -298,3 +300,14 @@ def _status_reason(response: httpx.Response) -> str:
     if isinstance(code, str) and code.isascii() and code.replace("_", "").isalnum():
         reason += f" ({code})"
     return reason
+
+
+def gateway_bearer(config: ServeConfig) -> BearerProvider | None:
+    """The bearer the replica presents to the worker-auth gateway (docs/worker-auth.md): minted
+    by OAuth2 with `--oauth2-provider-host`, else read from the secrets file; none without one."""
+    if config.secrets.path is None:
+        return None
+    secrets = SecretsFile(config.secrets.path)
+    if config.control_plane.oauth2_provider_host is not None:
+        return OAuth2ClientCredentials(config.control_plane.oauth2_provider_host, secrets)
+    return SecretsFileBearer(secrets, config.secrets.json_keys)

@@ -29,7 +29,7 @@ __all__ = [
     "HealthMonitor",
     "HealthProbe",
     "ProbeVerdict",
-    "probe_pool",
+    "probe_connections",
     "upstream_get",
 ]
 
@@ -49,10 +49,10 @@ HealthProbe = Callable[[str], Awaitable[int]]
 """Probe a backend base URL; return the round-trip time in nanoseconds or raise ProbeFailed."""
 
 
-def probe_pool(probe_timeout: float, *, ca_file: str | None = None) -> ConnectionPool:
-    """The replica's connection pool for health probes: one kept-alive connection per backend.
+def probe_connections(probe_timeout: float, *, ca_file: str | None = None) -> ConnectionPool:
+    """The replica's connections for health probes: one kept-alive connection per backend.
 
-    Apart from the proxy's pool so that a backend at `--proxy-max-connections-per-backend`
+    Apart from the proxy's connections so that a backend at `--proxy-max-connections-per-backend`
     (every slot carrying a stream) is still probed at once rather than after a slot frees, and
     so that probes never queue behind requests. A probe's connection is reused by the next one
     a second later, well within `idle_expiry`.
@@ -70,8 +70,9 @@ def probe_pool(probe_timeout: float, *, ca_file: str | None = None) -> Connectio
     )
 
 
-def upstream_get(pool: ConnectionPool) -> HttpGet:
-    """`HttpGet` through `pool`, whose own stale-connection retry is the one `HttpGet` asks for."""
+def upstream_get(connections: ConnectionPool) -> HttpGet:
+    """`HttpGet` through `connections`, whose own stale-connection retry is the one `HttpGet`
+    asks for."""
     last: tuple[Mapping[str, str], list[tuple[bytes, bytes]]] | None = None
 
     async def get(url: str, headers: Mapping[str, str]) -> int:
@@ -80,7 +81,7 @@ def upstream_get(pool: ConnectionPool) -> HttpGet:
             last = (headers, [(k.encode("ascii"), v.encode("latin-1")) for k, v in headers.items()])
         fields = last[1]
         try:
-            async with await pool.request("GET", url, fields) as response:
+            async with await connections.request("GET", url, fields) as response:
                 await response.read()
                 return response.status
         except (UpstreamError, ValueError) as error:

@@ -79,6 +79,7 @@ __all__ = [
     "ModelEntry",
     "UnknownAlgorithm",
     "default_lb_config",
+    "lb_config_at_startup",
     "load_lb_config",
     "not_implemented_message",
     "parse_algorithm_header",
@@ -652,3 +653,19 @@ def load_lb_config(path: str | PathLike[str]) -> LbConfig:
         return parse_lb_config(data)
     except LbConfigError as error:
         raise LbConfigError(f"{path}: {error}") from error
+
+
+def lb_config_at_startup(path: str | PathLike[str] | None) -> LbConfig:
+    """The config `stargate serve` routes with: the file at `--lb-config-path`, or the permissive
+    default without one. A file that cannot be used fails start-up (`StartupError`), before
+    anything binds: routing by a half-understood config would be worse than not starting."""
+    if path is None:
+        return default_lb_config()
+    try:
+        return load_lb_config(path)
+    except (LbConfigError, OSError) as error:
+        # Imported only here: importing `stargate.serving` installs the Hypercorn patches, and
+        # this module is also used where nothing serves (the benchmarks).
+        from stargate.serving import StartupError
+
+        raise StartupError(f"invalid load balancer config: {error}") from error

@@ -141,11 +141,11 @@ class _Fleet:
     def retained(self) -> dict[str, int]:
         """Everything the replica keeps per backend, by kind."""
         replica = self.replica
-        stats = replica.pool.stats()
+        stats = replica.upstream.stats()
         return {
             "registrations": len(replica.routing.registrations()),
             "registration_streams": replica.registrations.open_streams,  # + health monitors
-            "upstream_origins": replica.pool.origin_count,
+            "upstream_origins": replica.upstream.origin_count,
             "upstream_connections": stats.open_connections,
             "demoted": len(replica.routing.demoted),
             "series_in_grace": replica.series_sweep.tracked,

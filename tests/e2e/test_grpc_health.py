@@ -158,7 +158,7 @@ async def test_warming_replica_is_serving_and_draining_is_not_serving() -> None:
         CONTROL_PLANE: SERVING,
         HEALTH_SERVICE: SERVING,
     }
-    readiness.begin_draining()
+    readiness.lifecycle.begin_draining()
     assert not readiness.accepting_work
     assert _statuses(health, ["", CONTROL_PLANE]) == {"": NOT_SERVING, CONTROL_PLANE: NOT_SERVING}
     assert health.status(MODEL_DISCOVERY) == SERVICE_UNKNOWN
@@ -181,9 +181,9 @@ async def test_readiness_next_change_fires_on_promotion_and_on_draining(
     assert readiness.warm and readiness.accepting_work
     second = readiness.next_change()
     assert second is not first and not second.is_set()
-    readiness.begin_draining()
+    readiness.lifecycle.begin_draining()
     assert second.is_set()
-    readiness.begin_draining()  # idempotent: no further change
+    readiness.lifecycle.begin_draining()  # idempotent: no further change
     assert not readiness.next_change().is_set()
 
 
@@ -232,7 +232,7 @@ async def test_watch_on_a_real_readiness_sends_not_serving_when_draining(
             assert await statuses.receive() == SERVING  # warming
             await trio.sleep(10)  # ten samples, still warming: nothing new
             assert _pending(statuses) == [] and not returned()
-            readiness.begin_draining()
+            readiness.lifecycle.begin_draining()
             assert await statuses.receive() == NOT_SERVING
             await trio.testing.wait_all_tasks_blocked()
             assert returned()

@@ -17,7 +17,7 @@ async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
     app = create_admin_app(readiness, RoutingState(), stargate_id="r1")
     client = app.test_client()
     assert (await client.get("/healthz")).status_code == 200
-    readiness.begin_draining()
+    readiness.lifecycle.begin_draining()
     assert (await client.get("/healthz")).status_code == 200
 
 
@@ -39,7 +39,7 @@ async def test_readyz_is_200_when_warm_and_503_once_draining() -> None:
     response = await client.get("/readyz")
     assert response.status_code == 200
     assert (await response.get_json())["promotion_reason"] == "disabled"
-    readiness.begin_draining()
+    readiness.lifecycle.begin_draining()
     response = await client.get("/readyz")
     assert response.status_code == 503
     assert (await response.get_json())["phase"] == "draining"

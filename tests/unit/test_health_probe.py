@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from stargate.control_plane.health import probe_pool, upstream_get
+from stargate.control_plane.health import probe_connections, upstream_get
 from stargate.health_probe import HttpGet, ProbeFailed, http_health_probe, httpx_get
 from tests.unit.proxy.test_upstream import Server, ServerConn, start_server
 
@@ -54,15 +54,15 @@ async def _httpx() -> AsyncIterator[HttpGet]:
 
 
 @asynccontextmanager
-async def _probe_pool() -> AsyncIterator[HttpGet]:
-    async with probe_pool(2.0) as pool:
-        yield upstream_get(pool)
+async def _probe_connections() -> AsyncIterator[HttpGet]:
+    async with probe_connections(2.0) as connections:
+        yield upstream_get(connections)
 
 
 Transport = Callable[[], AbstractAsyncContextManager[HttpGet]]
 
 
-@pytest.fixture(params=[_httpx, _probe_pool], ids=["httpx", "probe-pool"])
+@pytest.fixture(params=[_httpx, _probe_connections], ids=["httpx", "probe-connections"])
 def transport(request: pytest.FixtureRequest) -> Transport:
     factory: Transport = request.param
     return factory

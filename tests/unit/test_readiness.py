@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from trio.testing import MockClock
 
 from stargate.config import WarmupConfig
+from stargate.lifecycle import Lifecycle, Phase
 from stargate.metrics import ReadinessMetrics
 from stargate.readiness import Readiness
 from stargate.warmup import PromotionReason
@@ -152,7 +153,7 @@ async def test_shutdown_during_warmup_stops_the_sampler_and_stays_unready(
     async with trio.open_nursery() as nursery:
         sampler_done = await _run_warmup(readiness, backends.read, nursery)
         await trio.sleep(3.5)
-        readiness.begin_draining()
+        readiness.lifecycle.begin_draining()
         with trio.fail_after(0.001):  # virtual time: the sampler ends without waiting
             await sampler_done.wait()
     reads_at_shutdown = len(backends.reads)
@@ -172,7 +173,7 @@ async def test_shutdown_before_the_sampler_starts_means_it_never_samples(
     autojump_clock: MockClock,
 ) -> None:
     readiness, _ = _readiness()
-    readiness.begin_draining()
+    readiness.lifecycle.begin_draining()
     backends = FakeBackends(4)
     await readiness.run_warmup(backends.read)
     assert backends.reads == []
@@ -202,8 +203,8 @@ async def test_draining_after_promotion_turns_unready_and_keeps_the_reason(
     async with trio.open_nursery() as nursery:
         await _run_warmup(readiness, FakeBackends(1).read, nursery)
         await readiness.wait_warm()
-    readiness.begin_draining()
-    readiness.begin_draining()  # idempotent
+    readiness.lifecycle.begin_draining()
+    readiness.lifecycle.begin_draining()  # idempotent
     assert not readiness.ready
     assert readiness.promotion is not None
     assert readiness.promotion.reason is PromotionReason.STABILIZED
@@ -221,3 +222,57 @@ async def test_streak_restarts_after_a_zero(autojump_clock: MockClock, counts: l
         await readiness.wait_warm()
     assert trio.current_time() - start == 8.0
     assert remaining == []
+
+
+async def test_readiness_reads_the_lifecycle_it_is_given(autojump_clock: MockClock) -> None:
+    """The runtime drives one `Lifecycle`; readiness only reads it and reacts to its changes, so
+    `/readyz`, gRPC health and the gauge follow each phase without being told twice: leaving is
+    503 with its own phase and ends warmup, draining follows, and the drain finishing (`done`)
+    changes nothing a probe reads."""
+    registry = CollectorRegistry()
+    lifecycle = Lifecycle()
+    readiness = Readiness(
+        WarmupConfig(warmup_ms=0),
+        ReadinessMetrics.create(registry, "stargate_"),
+        lifecycle=lifecycle,
+    )
+    assert readiness.lifecycle is lifecycle and lifecycle.phase is Phase.READY
+    assert readiness.ready and readiness.accepting_work
+
+    changed = readiness.next_change()
+    assert lifecycle.begin_leaving()
+    assert changed.is_set()
+    state = readiness.state()
+    assert (state.phase, state.ready) == ("leaving", False)
+    assert readiness.leaving and not readiness.draining and not readiness.accepting_work
+    assert _metric(registry, "readiness_ready") == 0.0
+
+    changed = readiness.next_change()
+    assert lifecycle.begin_draining()
+    assert changed.is_set() and readiness.state().phase == "draining" and readiness.draining
+
+    changed = readiness.next_change()
+    assert lifecycle.drained()
+    assert not changed.is_set()
+    assert readiness.state().phase == "draining" and not readiness.ready
+
+
+async def test_leaving_during_warmup_ends_the_sampler_and_latches(
+    autojump_clock: MockClock,
+) -> None:
+    """A SIGTERM during warmup: the sampler stops at once (nothing waits on a warmup that cannot
+    finish), warmup counts as ended by the shutdown, and no later sample can promote."""
+    readiness, registry = _readiness(warmup_ms=60_000, window=2)
+    backends = FakeBackends(3)
+    async with trio.open_nursery() as nursery:
+        sampler_done = await _run_warmup(readiness, backends.read, nursery)
+        await trio.sleep(1.5)
+        readiness.lifecycle.begin_leaving()
+        with trio.fail_after(0.001):
+            await sampler_done.wait()
+    assert readiness.state().phase == "leaving"
+    assert readiness.warm and not readiness.ready
+    assert readiness.promotion is not None
+    assert readiness.promotion.reason is PromotionReason.SHUTDOWN
+    assert not readiness.lifecycle.promote()  # a shutdown ended warmup: nothing left to promote
+    assert _metric(registry, "readiness_warmup_promotions_total", reason="shutdown") == 1.0

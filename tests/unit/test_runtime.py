@@ -6,9 +6,11 @@ cut them and exit 1, and a server that ends on its own shuts the replica down wi
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +20,21 @@ import trio.testing
 from quart import Response
 
 from stargate import runtime
-from stargate.config import ListenAddress, ServeConfig, WarmupConfig
+from stargate.activator.wiring import lease_owner_url
+from stargate.config import (
+    ActivatorConfig,
+    ControlPlaneConfig,
+    DiscoveryConfig,
+    ListenAddress,
+    PoolOwnershipConfig,
+    ProxyConfig,
+    SecretsConfig,
+    ServeConfig,
+    TracingConfig,
+    WarmupConfig,
+)
+from stargate.control_plane import discovery
+from stargate.lifecycle import Phase
 from stargate.runtime import BoundAddresses, Replica
 from stargate.serving import StartupError
 
@@ -85,6 +101,7 @@ async def test_in_flight_stream_finishes_during_drain_and_exit_is_0() -> None:
                     assert not replica.readiness.ready
     assert b"".join(received) == b"".join(f"chunk {i}\n".encode() for i in range(CHUNKS))
     assert exit_code() == 0
+    assert replica.lifecycle.phase is Phase.DONE  # the drain finished on its own
 
 
 async def test_listener_stops_accepting_once_shutdown_begins() -> None:
@@ -115,6 +132,7 @@ async def test_drain_timeout_cuts_the_stream_and_exit_is_1() -> None:
                         replica.begin_shutdown()
     assert exit_code() == 1
     assert trio.current_time() - start < 1.0
+    assert replica.lifecycle.phase is Phase.DRAINING  # cut by the deadline, never done
 
 
 async def test_force_exit_cancels_in_flight_work_and_exit_is_1() -> None:
@@ -150,7 +168,7 @@ async def test_a_server_that_stops_on_its_own_shuts_the_replica_down_with_exit_1
         _, exit_code = await _start(replica, nursery)
     assert exit_code() == 1
     assert len(served) == 4
-    assert replica.shutting_down
+    assert replica.shutting_down and replica.lifecycle.failed
     assert not replica.readiness.ready
 
 
@@ -211,3 +229,177 @@ async def test_a_window_shorter_than_a_pylon_reconnect_is_warned_about(
         replica.begin_shutdown()
     warned = [r for r in caplog.records if "shorter than 1000 ms" in r.getMessage()]
     assert bool(warned) is warns
+
+
+PROCESS_POOL = (
+    "pools:\n"
+    "  - name: local-pool\n"
+    "    members: [m]\n"
+    "    controller:\n"
+    "      kind: process\n"
+    "      members:\n"
+    '        m: {command: [engine, --port, "{port}"]}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("lb-config", "invalid load balancer config: {tmp}/lb.json: invalid JSON at line 1"),
+        ("pool-config", "invalid pool config: {tmp}/pools.yaml"),
+        (
+            "lease-with-process-pool",
+            "--pool-ownership=lease shares pools between replicas, but pools local-pool do not "
+            "use the kubernetes controller (a process pool's engines run on this machine): use "
+            "--pool-ownership=local, one replica per machine, for those",
+        ),
+        (
+            "worker-auth-endpoint",
+            "invalid worker auth configuration: worker auth endpoint 'ftp://gw:1': scheme must "
+            "be http or https",
+        ),
+    ],
+)
+def test_a_setting_a_builder_refuses_fails_start_up_before_anything_binds(
+    tmp_path: Path, case: str, message: str
+) -> None:
+    """The builders moved beside their parts (load_balancing/config.py, activator/wiring.py,
+    control_plane/auth.py) still refuse when the replica is built, with the message naming the
+    setting that `stargate serve` logs before exiting 1."""
+    (tmp_path / "lb.json").write_text("{")
+    (tmp_path / "pools.yaml").write_text("pools: 3\n")
+    (tmp_path / "process.yaml").write_text(PROCESS_POOL)
+    overrides: dict[str, Any] = {
+        "lb-config": {"proxy": ProxyConfig(lb_config_path=str(tmp_path / "lb.json"))},
+        "pool-config": {"activator": ActivatorConfig(pool_config_path=tmp_path / "pools.yaml")},
+        "lease-with-process-pool": {
+            "activator": ActivatorConfig(
+                pool_config_path=tmp_path / "process.yaml",
+                ownership=PoolOwnershipConfig(mode="lease"),
+            )
+        },
+        "worker-auth-endpoint": {
+            "control_plane": ControlPlaneConfig(worker_auth_endpoint="ftp://gw:1")
+        },
+    }[case]
+    with pytest.raises(StartupError) as raised:
+        Replica(_config(**overrides))
+    assert str(raised.value).startswith(message.format(tmp=tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"discovery": DiscoveryConfig(dns_name="not a host")},
+            "invalid discovery configuration: discovery DNS name 'not a host' is not a host "
+            "name (give the name only, without scheme or port)",
+        ),
+        (
+            {
+                "tracing": TracingConfig(endpoint="http://127.0.0.1:4317"),
+                "secrets": SecretsConfig(path=Path("/nonexistent/secrets.json")),
+            },
+            "cannot start the trace exporter: ",
+        ),
+    ],
+    ids=["discovery", "tracing-token"],
+)
+async def test_a_setting_refused_once_bound_fails_start_up_before_serving(
+    overrides: dict[str, Any], message: str
+) -> None:
+    """The publisher (control_plane/discovery.py) and the trace exporter (stargate/tracing/) are
+    built once the ports are bound; what they refuse still ends `run()` before anything is
+    served, and the bound listeners are closed again."""
+    replica = Replica(_config(**overrides))
+    with pytest.raises(StartupError) as raised:
+        await replica.run()
+    assert str(raised.value).startswith(message)
+    assert replica.bound is not None
+    with socket.socket() as probe:  # the HTTP listener was closed: its port binds again
+        probe.bind(("127.0.0.1", replica.bound.http.port))
+
+
+async def test_the_wiring_logs_and_debug_state_are_the_runtimes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The LB config line stays the runtime's own (logger `stargate.runtime`), and `/debug/state`
+    (admin_app.py's `debug_state_config`) reports the addresses the listeners actually bound."""
+    lb_file = tmp_path / "lb.json"
+    lb_file.write_text('{"default": "round-robin", "models": {"m": "random"}}')
+    with caplog.at_level(logging.INFO, logger="stargate.runtime"):
+        replica = Replica(_config(proxy=ProxyConfig(lb_config_path=str(lb_file))))
+    assert [
+        (r.name, r.getMessage()) for r in caplog.records if "load balancer" in r.getMessage()
+    ] == [
+        (
+            "stargate.runtime",
+            "load balancer config loaded: default_lb=round-robin model_overrides=1",
+        )
+    ]
+    async with trio.open_nursery() as nursery:
+        bound, exit_code = await _start(replica, nursery)
+        async with httpx.AsyncClient() as client:
+            state = (await client.get(_url(bound, "/debug/state"))).json()
+        replica.begin_shutdown()
+    assert exit_code() == 0
+    assert state["config"] == {
+        "stargate_id": "test-replica",
+        "grpc_listen_addr": str(bound.grpc),
+        "model_discovery_listen_addr": str(bound.model_discovery),
+        "http_listen_addr": str(bound.http),
+        "metrics_listen_addr": str(bound.metrics),
+        "advertise_addr": f"127.0.0.1:{bound.grpc.port}",
+        "stargate_discovery_dns_name": None,
+        "tunnel_protocol": "http",
+        "backend_connectivity": "direct",
+        "direct_quic_connections": 0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("listen_host", "advertise", "expected"),
+    [
+        ("127.0.0.1", None, ("127.0.0.1:7001", "127.0.0.1:7000")),
+        ("0.0.0.0", None, ("10.1.2.3:7001", "10.1.2.3:7000")),  # every interface: this host
+        (
+            "0.0.0.0",
+            ListenAddress("192.0.2.5", 443),
+            ("192.0.2.5:443", "192.0.2.5:7000"),
+        ),
+    ],
+    ids=["listen-host", "unspecified-host", "advertise-addr"],
+)
+def test_the_advertise_address_rule(
+    monkeypatch: pytest.MonkeyPatch,
+    listen_host: str,
+    advertise: ListenAddress | None,
+    expected: tuple[str, str],
+) -> None:
+    """`--advertise-addr`, else the gRPC listener's host with its bound port, and this host's own
+    address for a listener on every interface (peers and Pylons cannot dial 0.0.0.0); the HTTP
+    address is the same host with the HTTP port (control_plane/discovery.py)."""
+    monkeypatch.setattr(discovery, "host_address", lambda: "10.1.2.3")
+    config = _config(listen_addr=ListenAddress(listen_host, 0), advertise_addr=advertise)
+    publisher = discovery.publisher_config(config, grpc_port=7001, http_port=7000)
+    assert (publisher.advertise_addr, publisher.http_advertise_addr) == expected
+
+
+@pytest.mark.parametrize(
+    ("owner_url", "advertised", "tls", "expected"),
+    [
+        ("http://10.0.0.7:8000", "10.0.0.9:8000", True, "http://10.0.0.7:8000"),
+        (None, "10.0.0.9:8000", False, "http://10.0.0.9:8000"),
+        (None, "10.0.0.9:8000", True, "https://10.0.0.9:8000"),
+        (None, None, False, None),
+    ],
+    ids=["flag", "advertised", "advertised-tls", "nothing"],
+)
+def test_the_lease_owner_url_rule(
+    owner_url: str | None, advertised: str | None, tls: bool, expected: str | None
+) -> None:
+    """The URL recorded in a pool Lease (activator/wiring.py): `--pool-owner-url`, else the HTTP
+    listener as peers reach it, over https when that listener serves TLS
+    (docs/pool-ownership.md, "In the replica")."""
+    ownership = PoolOwnershipConfig(mode="lease", owner_url=owner_url)
+    assert lease_owner_url(ownership, http_advertise_addr=advertised, tls=tls) == expected

@@ -300,7 +300,7 @@ async def test_an_expired_certificate_makes_a_promoted_replica_unready_until_a_v
         assert registry.get_sample_value("stargate_readiness_ready") == 1
         assert changes[-1][1:] == (True, True)
 
-        readiness.begin_draining()  # draining still wins over everything
+        readiness.lifecycle.begin_draining()  # draining still wins over everything
         assert readiness.state().phase == "draining" and not readiness.accepting_work
         nursery.cancel_scope.cancel()
 

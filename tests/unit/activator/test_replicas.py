@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import trio
 
-from stargate.activator import FakeController
+from stargate.activator import FakeController, wiring
 from stargate.activator.config import PoolsConfig, parse_pool_config
+from stargate.activator.wiring import shared_pools_warning
 from stargate.config import ActivatorConfig, DiscoveryConfig, ListenAddress, ServeConfig
-from stargate.runtime import Replica, shared_pools_warning
+from stargate.runtime import Replica
 
 
 def _pools(*kinds: str) -> PoolsConfig:
@@ -76,7 +77,7 @@ def test_no_warning_when_alone_or_nothing_is_shared(
 
 
 async def test_the_replica_logs_the_warning_when_its_activator_starts(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through `Replica._start_activator`, as `stargate serve` runs it (a fake-kind pool would not
     warn, so the pool file uses the kubernetes kind with a stand-in controller)."""
@@ -98,15 +99,17 @@ async def test_the_replica_logs_the_warning_when_its_activator_starts(
     )
     replica = Replica(config)
     # No API server here: the pool gets the in-memory controller instead of a KubernetesController.
-    replica._controller = lambda pool, services: FakeController(  # type: ignore[method-assign]
-        replica.member_availability, pool.pool.members
+    monkeypatch.setattr(
+        wiring,
+        "member_controller",
+        lambda pool, **_: FakeController(replica.member_availability, pool.pool.members),
     )
     with caplog.at_level(logging.WARNING, logger="stargate.runtime"):
         async with trio.open_nursery() as nursery:
             activator = await replica._start_activator(nursery)
             assert activator is not None
             nursery.cancel_scope.cancel()
-    await replica._health_client.aclose()
+    await replica.pools.stop_members()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
         WARNING.format(peers="static peers 10.0.0.2:50071")
