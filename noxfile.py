@@ -28,18 +28,24 @@ def _pyenv_python(version: str) -> str:
     return str(found[-1]) if found else version
 
 
+def _pytest_args(session: nox.Session) -> list[str]:
+    """Arguments after `--` replace the defaults (`nox -s tests -- tests/unit -x`). By default the
+    slowest tests are listed at the end, so a run says where the suite's time goes."""
+    return list(session.posargs) or ["--durations=30"]
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit, mock-clock, in-process and real-process tests."""
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *_pytest_args(session))
 
 
 @nox.session(name="tests-3.13", python=_pyenv_python("3.13"))
 def tests_313(session: nox.Session) -> None:
     """The whole test suite on Python 3.13, the image's interpreter (Dockerfile)."""
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *_pytest_args(session))
 
 
 @nox.session(python=PYTHON)
