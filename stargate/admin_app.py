@@ -27,15 +27,15 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.routing import MapAdapter, PathConverter
 
 from stargate.asgi import visible_query
-from stargate.config import ListenAddress
+from stargate.config import ListenAddress, ServeConfig
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 
-__all__ = ["ListenerAddresses", "create_admin_app", "debug_state_config"]
+__all__ = ["ListenerAddresses", "create_admin_app", "debug_state_config", "replica_admin_app"]
 
 
 class ListenerAddresses(Protocol):
-    """The addresses a replica's listeners bound (`stargate.runtime.BoundAddresses` is one)."""
+    """The addresses a replica's listeners bound (`stargate.serving.BoundAddresses` is one)."""
 
     @property
     def http(self) -> ListenAddress: ...
@@ -72,6 +72,31 @@ def debug_state_config(
         "backend_connectivity": "direct",
         "direct_quic_connections": 0,
     }
+
+
+def replica_admin_app(
+    config: ServeConfig,
+    readiness: Readiness,
+    routing: RoutingState,
+    *,
+    bound: Callable[[], ListenerAddresses | None],
+    advertise_addr: Callable[[], str | None],
+) -> QuartTrio:
+    """The admin app of a replica run with `config`. `bound` and `advertise_addr` are read at
+    each `/debug/state`: the listeners bind, and the publisher is built, after the app."""
+    return create_admin_app(
+        readiness,
+        routing,
+        stargate_id=config.stargate_id,
+        debug_config=lambda: debug_state_config(
+            stargate_id=config.stargate_id,
+            discovery_dns_name=config.discovery.dns_name,
+            bound=bound(),
+            advertise_addr=advertise_addr(),
+        ),
+        accept_openai_requests=config.proxy.accept_openai_requests,
+        debug_endpoints=config.debug_endpoints,
+    )
 
 
 def create_admin_app(

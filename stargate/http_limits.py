@@ -22,13 +22,14 @@ for real requests. Two limits close that:
   (as Go's runtime does) and warns when the descriptors the cap may need exceed it.
 
 Both apply to the HTTP listener only (proxy routes and the admin app): gRPC registration streams
-are long-lived by design, and Pylon channels are not client connections. The body limit is an
-ASGI wrapper (`limit_request_body_time`, applied by the runtime). The connection count is this
-module's policy (`ConnectionLimit`, the reserve's gate); Hypercorn applies it to the listeners
-registered with `limit_connections` through the patches of stargate/hypercorn_patches/
-(limits.py there), installed when `stargate/serving.py` is imported. On those listeners an HTTP/2
-stream whose response is complete while its request body is not is reset with NO_ERROR (RFC 9113
-§8.1), the HTTP/2 counterpart of closing an HTTP/1.1 connection after such an answer.
+are long-lived by design, and Pylon channels are not client connections (`limit_http_clients`
+puts both on the HTTP listener). The body limit is an ASGI wrapper (`limit_request_body_time`).
+The connection count is this module's policy (`ConnectionLimit`, the reserve's gate); Hypercorn
+applies it to the listeners registered with `limit_connections` through the patches of
+stargate/hypercorn_patches/ (limits.py there), installed when `stargate/serving.py` is imported.
+On those listeners an HTTP/2 stream whose response is complete while its request body is not is
+reset with NO_ERROR (RFC 9113 §8.1), the HTTP/2 counterpart of closing an HTTP/1.1 connection
+after such an answer.
 
 The answers the limits make follow the error contract (docs/clients.md, "Error bodies"): a bare
 status with `x-stargate-error-code`, or, through the `Refusal` the runtime passes, the OpenAI error
@@ -68,6 +69,7 @@ __all__ = [
     "check_open_file_limit",
     "descriptors_needed",
     "limit_connections",
+    "limit_http_clients",
     "limit_request_body_time",
     "raise_open_file_limit",
 ]
@@ -352,6 +354,25 @@ def limit_connections(config: HypercornConfig, limit: ConnectionLimit) -> None:
         return app, functools.partial(limit.release, slot)
 
     hypercorn_patches.gate_connections(config, admit)
+
+
+def limit_http_clients(
+    app: ASGIApp,
+    listener: HypercornConfig,
+    *,
+    body_timeout: float | None,
+    max_connections: int,
+    refusal: Refusal = bare_refusal,
+    metrics: HttpMetrics | None = None,
+) -> ASGIApp:
+    """Put both limits on the HTTP listener: the request body time on `app` (none when
+    `body_timeout` is None: `--request-body-timeout-ms 0`), the connection count on the listener
+    served with `listener` (`--max-client-connections`, limited in place). Returns the app to
+    serve. Call before serving; gRPC listeners get neither (module docstring)."""
+    if body_timeout is not None:
+        app = limit_request_body_time(app, body_timeout, refusal, metrics=metrics)
+    limit_connections(listener, ConnectionLimit(max_connections, refusal=refusal, metrics=metrics))
+    return app
 
 
 def raise_open_file_limit() -> int:

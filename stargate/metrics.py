@@ -9,9 +9,10 @@ Series follow the fleet (docs/metrics.md): a label set that names a backend
 (`inference_server_id`) or a target (`model`, `routing_key`) that has left every live
 registration is removed `SERIES_GRACE_SECONDS` later. Which ones is decided by `SeriesSweeper`
 (pure: label sets, liveness and a clock value in, label sets to remove out); `DepartedSeriesSweep`
-applies it to the registry, and the runtime calls it periodically. `/metrics` is rendered in a
-worker thread with the cyclic garbage collector paused, so a large exposition delays the trio
-loop that serves requests by a GIL switch interval at a time rather than stalling it throughout.
+applies it to the registry, every sweep interval once the runtime starts its `run`. `/metrics` is
+rendered in a worker thread with the cyclic garbage collector paused, so a large exposition
+delays the trio loop that serves requests by a GIL switch interval at a time rather than
+stalling it throughout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import gc
 import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -446,7 +447,8 @@ operator need was found that a different value would serve (docs/metrics.md).
 """
 
 SERIES_SWEEP_INTERVAL_SECONDS = 30.0
-"""How often the runtime looks for series to remove (shorter for a test's shorter grace)."""
+"""How often `DepartedSeriesSweep.run` looks for series to remove (less for a test's shorter
+grace: `sweep_interval`)."""
 
 LabelValues = tuple[str, ...]
 SeriesKey = tuple[str, LabelValues]
@@ -659,6 +661,20 @@ class DepartedSeriesSweep:
         if expired:
             log.debug("removed %d metric series of departed backends and targets", len(expired))
         return len(expired)
+
+    async def run(
+        self, live_fleet: Callable[[], LiveFleet], then: Callable[[], None] | None = None
+    ) -> NoReturn:
+        """Every `sweep_interval`, sweep against the fleet `live_fleet` reads now, so `/metrics`
+        (its size, and the time to render it) follows the live fleet rather than every Pylon
+        that ever registered; then call `then`, which releases on the same clock what the other
+        parts keep for backends that left. Runs until cancelled."""
+        interval = sweep_interval(self.grace_seconds)
+        while True:
+            await trio.sleep(interval)
+            self.sweep(live_fleet(), trio.current_time())
+            if then is not None:
+                then()
 
 
 def _fingerprint(child: MetricWrapperBase) -> Fingerprint:

@@ -3,49 +3,35 @@ task in one trio nursery, and shut down gracefully on SIGTERM/SIGINT.
 
 Shutdown has two phases (docs/rolling-restarts.md). SIGTERM first *leaves*: for
 `--shutdown-delay-ms` `/readyz` answers 503 and `WatchStargates` stops announcing this replica,
-while every listener keeps accepting and every request is served as usual (HTTP/1.1 answers carry
-`Connection: close`, HTTP/2 connections get GOAWAY, so pooled clients move on). Then it
-*drains*: the servers stop accepting, registration and watch streams end, and in-flight requests
-and streams finish. If they have not finished within `--shutdown-drain-timeout-ms`, or a second
-signal arrives, the remaining work is cancelled and the process exits 1; a drain that completes
-exits 0. SIGINT, and a critical task (a server) that ends on its own, skip the leave phase; the
-latter also makes the exit code 1.
+while everything is still served (clients are told to move on). Then it *drains*: the servers stop
+accepting, registration and watch streams end, and in-flight requests and streams finish; exit 0,
+or 1 when the work left is cancelled at `--shutdown-drain-timeout-ms` or by a second signal.
+SIGINT, and a critical task (a server) that ends on its own, skip the leave phase; the latter also
+makes the exit code 1.
 
 This module only wires: the phases, their guards and the exit code rule are `stargate.lifecycle`'s
-(driven from here, read by readiness), and each part's builder lives beside the part (the pools'
-in `stargate/activator/wiring.py`, registration auth in `control_plane/auth.py`, the publisher in
-`control_plane/discovery.py`, the LB config in `load_balancing/config.py`, tracing in
-`stargate/tracing/`).
+(driven from here, read by readiness), and each part's builder or upkeep lives beside the part
+(e.g. the pools' in `activator/wiring.py`, the server table in `serving.py`, the backend
+connections in `upstream/`, the owner relay in `proxy/owner_relay.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import math
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
-from stargate import __version__, hypercorn_patches
+from stargate import __version__
 from stargate.activator import Activator, MemberAvailability
 from stargate.activator.wiring import ReplicaPools
-from stargate.admin_app import create_admin_app, debug_state_config
-from stargate.asgi import InFlight
-from stargate.config import (
-    PYLON_RECONNECT_WINDOW_MS,
-    ListenAddress,
-    ProxyConfig,
-    ServeConfig,
-    describe,
-)
+from stargate.admin_app import replica_admin_app
+from stargate.config import PYLON_RECONNECT_WINDOW_MS, ServeConfig, describe
 from stargate.control_plane.auth import (
     OpenAuthenticator,
     WorkerAuthenticator,
@@ -58,12 +44,7 @@ from stargate.control_plane.registration import RegistrationConfig, Registration
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.gc_policy import tune_for_serving
 from stargate.health_probe import http_health_probe
-from stargate.http_limits import (
-    ConnectionLimit,
-    check_open_file_limit,
-    limit_connections,
-    limit_request_body_time,
-)
+from stargate.http_limits import check_open_file_limit, limit_http_clients
 from stargate.lifecycle import Lifecycle, Outcome, Phase
 from stargate.load_balancing.config import lb_config_at_startup
 from stargate.metrics import (
@@ -73,27 +54,28 @@ from stargate.metrics import (
     Metrics,
     TlsMetrics,
     metrics_asgi_app,
-    sweep_interval,
 )
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import limit_answer
 from stargate.proxy.forwarder import UNREGISTERED, Forwarder
-from stargate.proxy.owner_relay import OwnerRelay
+from stargate.proxy.owner_relay import OwnerRelay, owner_relay
 from stargate.readiness import Readiness
-from stargate.routing import Registration, RoutingState, RoutingTargetKey
+from stargate.routing import RoutingState, RoutingTargetKey
 from stargate.serving import (
     SHUTDOWN_SIGNALS,
     ASGIApp,
+    BoundAddresses,
+    Servers,
     StartupError,
-    bind_all,
-    bound_address,
-    hypercorn_config,
-    serve_asgi,
+    bind_replica,
+    closed_on_failure,
+    replica_servers,
+    startup_failures,
     watch_signals,
 )
 from stargate.tls import ServedIdentity
 from stargate.tracing import start_tracing
-from stargate.upstream import ConnectionPool, UpstreamConfig
+from stargate.upstream import ConnectionPool, ConnectionPools, upstream_ca_file, upstream_config
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
 
@@ -109,16 +91,6 @@ _ENDINGS = {
     Outcome.COMPLETE: "graceful shutdown complete",
 }
 """The last line of a run, by how it ended (`Lifecycle.outcome`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BoundAddresses:
-    """The addresses the listeners actually bound (a configured port 0 becomes a real one)."""
-
-    http: ListenAddress
-    grpc: ListenAddress
-    model_discovery: ListenAddress
-    metrics: ListenAddress
 
 
 class Replica:
@@ -162,11 +134,11 @@ class Replica:
         proxy, control = config.proxy, config.control_plane
         # Backends are probed through connections of their own (control_plane/health.py).
         self._probe_connections = probe_connections(
-            control.health_check_timeout_ms / 1000, ca_file=_ca_file(proxy)
+            control.health_check_timeout_ms / 1000, ca_file=upstream_ca_file(proxy)
         )
-        self.upstream = ConnectionPool(
-            _upstream_config(proxy, response_head_timeout=proxy.response_header_timeout_ms / 1000)
-        )
+        self.upstream = ConnectionPool(upstream_config(proxy))
+        # Kept up and closed together (upstream/upkeep.py), the owner relay's once it exists.
+        self._connections = ConnectionPools(self.upstream, self._probe_connections)
         lb_config = lb_config_at_startup(proxy.lb_config_path)
         if not lb_config.permissive:  # read from --lb-config-path (the default is permissive)
             log.info(
@@ -191,8 +163,7 @@ class Replica:
             registry=self.registry,
         )
         self.activator: Activator | None = None
-        # With shared pools, the connections that relay a pool's requests to its owner.
-        self._relay_connections: ConnectionPool | None = None
+        self._relay: OwnerRelay | None = None  # with shared pools (proxy/owner_relay.py)
         self.registrations = RegistrationService(
             self.routing,
             registration_authenticator(config),
@@ -205,27 +176,19 @@ class Replica:
         )
         self.publisher: WatchPublisher | None = None
         self.bound: BoundAddresses | None = None
-        self.admin_app = create_admin_app(
+        self.admin_app = replica_admin_app(
+            config,
             self.readiness,
             self.routing,
-            stargate_id=config.stargate_id,
-            debug_config=lambda: debug_state_config(
-                stargate_id=config.stargate_id,
-                discovery_dns_name=config.discovery.dns_name,
-                bound=self.bound,
-                advertise_addr=None
-                if self.publisher is None
-                else self.publisher.config.advertise_addr,
+            bound=lambda: self.bound,
+            advertise_addr=lambda: (
+                None if self.publisher is None else self.publisher.config.advertise_addr
             ),
-            accept_openai_requests=config.proxy.accept_openai_requests,
-            debug_endpoints=config.debug_endpoints,
         )
-        self._stop_serving = trio.Event()  # the servers' shutdown trigger: set when draining
-        self._listener_configs: list[HypercornConfig] = []
+        self._servers = Servers()  # left, stopped and drained as one (serving.py)
         self._services_scope: trio.CancelScope | None = None
         self._services: trio.Nursery | None = None
         self._drain_deadline: float | None = None
-        self._in_flight = InFlight()
         self.tracing: Tracing | None = None  # built by `run()` with --otel-endpoint
 
     # ---- shutdown: the lifecycle's transitions, and the I/O each one calls for -------------------
@@ -263,8 +226,7 @@ class Replica:
         if self.publisher is not None:
             self.publisher.leave()
         self.registrations.leave()
-        for config in self._listener_configs:
-            hypercorn_patches.leave(config)
+        self._servers.leave()
         if self._services is not None:
             self._services.start_soon(self._leave_then_drain)
 
@@ -282,7 +244,7 @@ class Replica:
         if self.publisher is not None:
             self.publisher.stop()
         self.registrations.shutdown()
-        self._stop_serving.set()
+        self._servers.stop()
         if self._services is not None:
             self._services.start_soon(self._finish_drain)
         self._drain_deadline = trio.current_time() + self.config.shutdown_drain_timeout_seconds
@@ -298,7 +260,7 @@ class Replica:
 
     async def _finish_drain(self) -> None:
         """End the servers once nothing is in flight; their remaining connections are idle."""
-        await self._in_flight.wait_idle()
+        await self._servers.wait_idle()
         log.info("in-flight requests and streams finished")
         await self.pools.release_leases()
         self.lifecycle.drained()
@@ -319,22 +281,18 @@ class Replica:
         Raises `StartupError` before anything is served if a listener cannot bind (or the
         publisher, the worker-auth gateway or the trace exporter cannot start).
         """
-        bound, sockets = self._bind()
-        with _closed_on_failure(sockets):
+        log.info("starting stargate version=%s %s", __version__, describe(self.config))
+        check_open_file_limit(self.config.max_client_connections)
+        bound, sockets = bind_replica(self.config)
+        self.bound = bound
+        with closed_on_failure(sockets):
             publisher = await self._prepare(bound)
         self._warn_about_settings()
         try:
             async with trio.open_nursery() as services:
                 await self._start_services(services, publisher)
                 await self._serve(services, sockets)
-                log.info(
-                    "listening: http=%s grpc=%s model_discovery=%s metrics=%s advertise=%s",
-                    bound.http,
-                    bound.grpc,
-                    bound.model_discovery,
-                    bound.metrics,
-                    publisher.config.advertise_addr,
-                )
+                log.info("listening: %s advertise=%s", bound, publisher.config.advertise_addr)
                 task_status.started(bound)
         finally:
             with trio.CancelScope(shield=True):
@@ -342,21 +300,6 @@ class Replica:
         outcome = self.lifecycle.outcome(cancelled=services.cancel_scope.cancelled_caught)
         log.log(logging.INFO if outcome is Outcome.COMPLETE else logging.ERROR, _ENDINGS[outcome])
         return outcome.exit_code
-
-    def _bind(self) -> tuple[BoundAddresses, list[socket.socket]]:
-        config = self.config
-        log.info("starting stargate version=%s %s", __version__, describe(config))
-        check_open_file_limit(config.max_client_connections)
-        sockets = bind_all(
-            [
-                ("HTTP", config.http_listen_addr),
-                ("gRPC", config.listen_addr),
-                ("model-discovery gRPC", config.model_discovery_listen_addr),
-                ("metrics", config.metrics_listen_addr),
-            ]
-        )
-        self.bound = BoundAddresses(*(bound_address(sock) for sock in sockets))
-        return self.bound, sockets
 
     async def _prepare(self, bound: BoundAddresses) -> WatchPublisher:
         """Before serving, what needs the bound ports or the network: the publisher (advertising
@@ -405,8 +348,10 @@ class Replica:
         if self.config.warmup.enabled:
             services.start_soon(self.readiness.run_warmup, self.routing.total_active_backend_count)
         await services.start(self._critical, "WatchStargates publisher", publisher.run)
-        services.start_soon(self._expire_idle_upstream_connections)
-        services.start_soon(self._sweep_departed_series)
+        services.start_soon(self._connections.expire_idle, self.upstream.config.idle_expiry)
+        services.start_soon(
+            self.series_sweep.run, self._live_fleet, self._release_departed_backends
+        )
         if self.tls is not None:
             services.start_soon(self.tls.run)
             services.start_soon(self.readiness.watch_certificate_expiry)
@@ -433,99 +378,65 @@ class Replica:
         """Serve every listener, each as a critical task. The HTTP app is built once the activator
         exists: the proxy holds pooled requests."""
         config = self.config
-        proxy_app = ProxyApp(
-            self.forwarder,
-            config.proxy,
-            self.metrics.proxy,
-            fallback=cast(ASGIApp, self.admin_app),
-            activator=self.activator,
-            tracer=None if self.tracing is None else self.tracing.tracer,
-            relay=self._owner_relay(),
+        self._relay = owner_relay(
+            config.proxy, self.activator, shared=self.pools.leases is not None
         )
-        # Our drain deadline decides when in-flight work is cut; Hypercorn's must not fire first.
-        graceful = config.shutdown_drain_timeout_seconds + 1.0
-        listener_config = functools.partial(hypercorn_config, graceful)
-        http_app, http_config = self._limit_http_clients(
-            proxy_app, listener_config(rotate_connections=True)
-        )
-        max_bytes = config.control_plane.grpc_max_message_bytes
-        http_sock, grpc_sock, discovery_sock, metrics_sock = sockets
+        if self._relay is not None:
+            self._connections.add(self._relay.connections)
         assert self.publisher is not None  # built by `_prepare`
-        servers: list[tuple[str, ASGIApp, socket.socket, HypercornConfig]] = [
-            ("HTTP server", http_app, http_sock, http_config),
-            (
-                "control-plane gRPC server",
-                control_plane_app(
-                    self.registrations,
-                    self.publisher,
-                    serving=self.readiness,
-                    max_message_bytes=max_bytes,
+        max_bytes = config.control_plane.grpc_max_message_bytes
+        servers = replica_servers(
+            sockets,
+            http=ProxyApp(
+                self.forwarder,
+                config.proxy,
+                self.metrics.proxy,
+                fallback=cast(ASGIApp, self.admin_app),
+                activator=self.activator,
+                tracer=None if self.tracing is None else self.tracing.tracer,
+                relay=self._relay,
+            ),
+            control_plane=control_plane_app(
+                self.registrations,
+                self.publisher,
+                serving=self.readiness,
+                max_message_bytes=max_bytes,
+            ),
+            model_discovery=model_discovery_app(
+                self.routing, serving=self.readiness, max_message_bytes=max_bytes
+            ),
+            metrics=metrics_asgi_app(
+                self.registry, before_render=self._refresh_backend_connections
+            ),
+            drain_timeout=config.shutdown_drain_timeout_seconds,
+            limit_http=functools.partial(
+                limit_http_clients,
+                body_timeout=config.request_body_timeout_seconds,
+                max_connections=config.max_client_connections,
+                refusal=functools.partial(
+                    limit_answer, accept_openai_requests=config.proxy.accept_openai_requests
                 ),
-                grpc_sock,
-                listener_config(rotate_connections=False),  # long-lived Pylon channels
+                metrics=self.metrics.http,
             ),
-            (
-                "model-discovery gRPC server",
-                model_discovery_app(
-                    self.routing, serving=self.readiness, max_message_bytes=max_bytes
-                ),
-                discovery_sock,
-                listener_config(rotate_connections=True),
-            ),
-            (
-                "metrics server",
-                metrics_asgi_app(self.registry, before_render=self._refresh_backend_connections),
-                metrics_sock,
-                listener_config(rotate_connections=True),
-            ),
-        ]
-        for name, app, sock, server_config in servers:
-            self._listener_configs.append(server_config)
-            if self.lifecycle.shutting_down:  # a signal came during start-up
-                hypercorn_patches.leave(server_config)
-            serve = functools.partial(
-                serve_asgi,
-                self._in_flight.track(app),
-                sock,
-                server_config,
-                self._stop_serving.wait,
-            )
-            if self.tls is not None and sock is not metrics_sock:
-                # TLS on every listener but metrics, which stays plain (docs/tls.md).
-                serve = functools.partial(serve, ssl_context=self.tls.context)
-            await services.start(self._critical, name, serve)
+        )
+        await self._servers.start(
+            services,
+            servers,
+            ssl_context=None if self.tls is None else self.tls.context,
+            supervise=self._critical,
+        )
 
     async def _close(self) -> None:
         """At exit, however the run ended: pool members stop, every connection closes, the Leases
         a forced exit left held are released, the last spans go out (bounded), the gateway
         channel closes."""
         await self.pools.stop_members()
-        await self._probe_connections.aclose()
-        await self.upstream.aclose()
-        if self._relay_connections is not None:
-            await self._relay_connections.aclose()
+        await self._connections.aclose()
         await self.pools.close_leases()
         if self.tracing is not None:
             await self.tracing.aclose()
         if isinstance(self.registrations.authenticator, WorkerAuthenticator):
             await self.registrations.authenticator.aclose()
-
-    def _limit_http_clients(
-        self, app: ASGIApp, listener: HypercornConfig
-    ) -> tuple[ASGIApp, HypercornConfig]:
-        """The HTTP listener's client limits (stargate/http_limits.py): the request body time on
-        its app, the connection count on its listener. gRPC listeners get neither."""
-        refusal = functools.partial(
-            limit_answer, accept_openai_requests=self.config.proxy.accept_openai_requests
-        )
-        timeout = self.config.request_body_timeout_seconds
-        if timeout is not None:
-            app = limit_request_body_time(app, timeout, refusal, metrics=self.metrics.http)
-        limit = ConnectionLimit(
-            self.config.max_client_connections, refusal=refusal, metrics=self.metrics.http
-        )
-        limit_connections(listener, limit)
-        return app, listener
 
     async def _critical(
         self,
@@ -542,61 +453,21 @@ class Replica:
                 log.error("%s exited unexpectedly; beginning shutdown", name)
                 self.begin_shutdown(leave=False)
 
-    def _owner_relay(self) -> OwnerRelay | None:
-        """With shared pools, the relay of a pool's requests to its owner (docs/pool-ownership.md):
-        its own connections, whose response head may take a whole hold budget (the owner holds
-        the request before it answers), so only the relay's deadline bounds it."""
-        if self.pools.leases is None or self.activator is None:
-            return None
-        proxy = self.config.proxy
-        self._relay_connections = ConnectionPool(
-            _upstream_config(proxy, response_head_timeout=math.inf)
-        )
-        return OwnerRelay(
-            self._relay_connections,
-            self.activator,
-            response_header_timeout=proxy.response_header_timeout_ms / 1000,
+    # ---- background housekeeping: what the replica keeps for backends that left -----------------
+
+    def _live_fleet(self) -> LiveFleet:
+        """The fleet the series sweep keeps series for: every live registration."""
+        return LiveFleet.of(
+            (r.identity.inference_server_id, r.identity.routing_key, r.models)
+            for r in self.routing.registrations()
         )
 
-    # ---- background housekeeping -----------------------------------------------------------------
-
-    async def _expire_idle_upstream_connections(self) -> None:
-        """Close idle backend connections past their expiry, so a backend that gets no more
-        traffic does not keep sockets open until shutdown."""
-        while True:
-            await trio.sleep(self.upstream.config.idle_expiry)
-            self.upstream.close_expired()
-            self._probe_connections.close_expired()
-            if self._relay_connections is not None:
-                self._relay_connections.close_expired()
-
-    async def _sweep_departed_series(self) -> None:
-        """Every sweep interval, release what the replica keeps for backends that left.
-
-        Remove the metric series of backends and targets that left the fleet a grace period
-        ago, so `/metrics` (its size, and the time to render it) follows the live fleet rather
-        than every Pylon that ever registered; and `_release_departed_backends`."""
-        interval = sweep_interval(self.series_sweep.grace_seconds)
-        while True:
-            await trio.sleep(interval)
-            registrations = self.routing.registrations()
-            fleet = LiveFleet.of(
-                (r.identity.inference_server_id, r.identity.routing_key, r.models)
-                for r in registrations
-            )
-            self.series_sweep.sweep(fleet, trio.current_time())
-            self._release_departed_backends(registrations)
-
-    def _release_departed_backends(self, live: Iterable[Registration]) -> None:
-        """Drop the per-backend state no `live` registration needs any more, so a replica whose
-        backends come and go returns to its baseline (docs/data-plane.md, "Per-backend
-        connections"): the idle upstream connections of backends that left, and with them
-        their origins (each a descriptor and a few KB, otherwise kept until `idle_expiry`), and
-        the forwarder's round-robin counters and balancers of clusters and targets that are
-        gone. Connections still carrying a stream are left to finish."""
-        urls = {r.identity.url for r in live}
-        self.upstream.close_idle_except(urls)
-        self._probe_connections.close_idle_except(urls)
+    def _release_departed_backends(self) -> None:
+        """After each series sweep, drop the per-backend state no live registration needs, so a
+        replica whose backends come and go returns to its baseline (docs/data-plane.md,
+        "Per-backend connections"): idle connections, and the forwarder's counters and balancers
+        of clusters and targets that are gone."""
+        self._connections.close_idle_except(r.identity.url for r in self.routing.registrations())
         self.forwarder.forget_departed()
 
     def _refresh_backend_connections(self) -> None:
@@ -615,31 +486,6 @@ class Replica:
         self.member_availability.on_target_count(target, count)
         if count == 0:
             self.forwarder.forget_target(target)
-
-
-def _ca_file(proxy: ProxyConfig) -> str | None:
-    return None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file)
-
-
-def _upstream_config(proxy: ProxyConfig, *, response_head_timeout: float) -> UpstreamConfig:
-    """Connections to backends (and, for the relay, to pool owners) as the proxy's flags say."""
-    return UpstreamConfig(
-        connect_timeout=proxy.connect_timeout_ms / 1000,
-        response_head_timeout=response_head_timeout,
-        ca_file=_ca_file(proxy),
-        max_connections_per_origin=proxy.max_connections_per_backend,
-    )
-
-
-@contextlib.contextmanager
-def _closed_on_failure(sockets: Iterable[socket.socket]) -> Iterator[None]:
-    """Close the bound listening sockets if start-up fails before they are served."""
-    try:
-        yield
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
 
 
 async def _watch_signals(signals: AsyncIterator[int], replica: Replica) -> None:
@@ -673,17 +519,9 @@ async def _main(config: ServeConfig) -> int:
                 code = await replica.run()
                 nursery.cancel_scope.cancel()
         except* StartupError as group:
-            for failure in _leaves(group):  # a nursery may have nested the group
+            for failure in startup_failures(group):
                 log.error("%s", failure)
     return code
-
-
-def _leaves(group: BaseExceptionGroup[StartupError]) -> list[BaseException]:
-    """The exceptions in `group`, nested groups flattened."""
-    found: list[BaseException] = []
-    for inner in group.exceptions:
-        found.extend(_leaves(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
-    return found
 
 
 def run(config: ServeConfig) -> int:

@@ -1,12 +1,19 @@
 """Serving plumbing shared by every process that serves HTTP: the replica, the mock backend and
-the benchmarks' no-op server; and the shutdown-signal watcher the Pylon uses too.
+the benchmarks' no-op server; the shutdown-signal watcher the Pylon uses too; and the replica's
+own listeners.
 
 - `bind_listener` / `bind_all` bind the listening sockets up front, so a busy port fails start-up
   with a `StartupError` naming the listener before anything is served.
 - `hypercorn_config` builds one listener's Hypercorn settings, with optional connection rotation
   (`MAX_REQUESTS_PER_CONNECTION`, docs/http-serving.md).
 - `serve_asgi` serves an ASGI app on a bound socket with Hypercorn's trio worker, over TLS when
-  given a server `ssl.SSLContext` (docs/tls.md).
+  given a server `ssl.SSLContext` (docs/tls.md); `Servers` serves a table of them (`Server`:
+  name, app, socket, settings, whether it takes TLS), one task each, and leaves, stops and
+  drains them as one.
+- `closed_on_failure` closes the bound sockets when start-up fails before they are served, and
+  `startup_failures` finds the `StartupError`s in a failed nursery's exception group.
+- The replica's four listeners: `bind_replica` binds them (`BoundAddresses`: where), and
+  `replica_servers` is their table: which app each serves, its Hypercorn settings, and its TLS.
 - `watch_signals` turns SIGTERM/SIGINT into the caller's own shutdown policy: one callback for the
   signal that starts the shutdown, another for any later one (docs/rolling-restarts.md).
 
@@ -20,11 +27,14 @@ Hypercorn, h11 or h2 the patch table was not written for.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import signal
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -34,7 +44,8 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from stargate import accept_queue, hypercorn_patches
-from stargate.config import ListenAddress
+from stargate.asgi import InFlight
+from stargate.config import ListenAddress, ServeConfig
 
 __all__ = [
     "LISTEN_BACKLOG",
@@ -43,12 +54,19 @@ __all__ = [
     "TLS_HANDSHAKE_TIMEOUT_SECONDS",
     "UNLIMITED_REQUESTS_PER_CONNECTION",
     "ASGIApp",
+    "BoundAddresses",
+    "Server",
+    "Servers",
     "StartupError",
     "bind_all",
     "bind_listener",
+    "bind_replica",
     "bound_address",
+    "closed_on_failure",
     "hypercorn_config",
+    "replica_servers",
     "serve_asgi",
+    "startup_failures",
     "watch_signals",
 ]
 
@@ -105,6 +123,27 @@ def bound_address(sock: socket.socket) -> ListenAddress:
     """The address a socket actually bound (a requested port 0 becomes a real one)."""
     host, port = sock.getsockname()[:2]
     return ListenAddress(host, port)
+
+
+@contextlib.contextmanager
+def closed_on_failure(sockets: Iterable[socket.socket]) -> Iterator[None]:
+    """Close the bound listening sockets if start-up fails before they are served: a process that
+    goes on (a test, a library caller) must find the ports free again."""
+    try:
+        yield
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+
+
+def startup_failures(group: BaseExceptionGroup[StartupError]) -> list[BaseException]:
+    """The exceptions in `group`, nested groups flattened: a nursery may have nested the group, and
+    each failure is reported on its own."""
+    found: list[BaseException] = []
+    for inner in group.exceptions:
+        found.extend(startup_failures(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
+    return found
 
 
 def hypercorn_config(
@@ -176,6 +215,161 @@ async def serve_asgi(
         shutdown_trigger=stop_accepting,
         task_status=_Started(),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One listener of a process: its name (in logs), its app, its bound socket, its Hypercorn
+    settings, and whether it takes the process's TLS (`tls=False` keeps it plain, as the
+    replica's metrics listener, docs/tls.md)."""
+
+    name: str
+    app: ASGIApp
+    sock: socket.socket
+    config: HypercornConfig
+    tls: bool = True
+
+
+class Servers:
+    """A process's servers, shut down as one (docs/rolling-restarts.md): each started as a task
+    (`start`), told to leave together (`leave`: HTTP/1.1 answers carry `Connection: close`, HTTP/2
+    connections get GOAWAY, while everything is still served), stopped together (`stop`: no new
+    connections, open ones finish), with the requests and streams in flight on all of them
+    counted (`wait_idle`). A server started once the group is leaving or stopped leaves at once.
+    """
+
+    def __init__(self) -> None:
+        self._configs: list[HypercornConfig] = []
+        self._leaving = False
+        self._stopped = trio.Event()
+        self._in_flight = InFlight()
+
+    def leave(self) -> None:
+        """Ask every client to move on, while still serving it (idempotent)."""
+        self._leaving = True
+        for config in self._configs:
+            hypercorn_patches.leave(config)
+
+    def stop(self) -> None:
+        """Stop accepting on every listener; open connections finish (`serve_asgi`)."""
+        self._stopped.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request or stream is in flight on any server."""
+        await self._in_flight.wait_idle()
+
+    async def start(
+        self,
+        nursery: trio.Nursery,
+        servers: Iterable[Server],
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        supervise: Callable[..., Awaitable[None]] | None = None,
+    ) -> None:
+        """Serve each of `servers` (`serve_asgi`) in a task of `nursery`, in order, each listener
+        serving before the next starts; over TLS with `ssl_context`, except a server with
+        `tls=False`.
+
+        `supervise(name, serve, task_status=...)` runs each server's task in its place, so the
+        caller decides what a server that ends means (the replica shuts down); without it, the
+        task is the server itself.
+        """
+        for server in servers:
+            self._configs.append(server.config)
+            if self._leaving or self._stopped.is_set():  # a shutdown began during start-up
+                hypercorn_patches.leave(server.config)
+            serve = functools.partial(
+                serve_asgi,
+                self._in_flight.track(server.app),
+                server.sock,
+                server.config,
+                self._stopped.wait,
+            )
+            if ssl_context is not None and server.tls:
+                serve = functools.partial(serve, ssl_context=ssl_context)
+            if supervise is None:
+                await nursery.start(serve)
+            else:
+                await nursery.start(supervise, server.name, serve)
+
+
+# ---- the replica's listeners --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BoundAddresses:
+    """The addresses the replica's listeners actually bound (a configured port 0 becomes a real
+    one)."""
+
+    http: ListenAddress
+    grpc: ListenAddress
+    model_discovery: ListenAddress
+    metrics: ListenAddress
+
+    def __str__(self) -> str:
+        """As the replica's start-up line names them."""
+        return (
+            f"http={self.http} grpc={self.grpc} model_discovery={self.model_discovery} "
+            f"metrics={self.metrics}"
+        )
+
+
+def bind_replica(config: ServeConfig) -> tuple[BoundAddresses, list[socket.socket]]:
+    """Bind the replica's four listeners, in `BoundAddresses`' order, or none (`bind_all`)."""
+    sockets = bind_all(
+        [
+            ("HTTP", config.http_listen_addr),
+            ("gRPC", config.listen_addr),
+            ("model-discovery gRPC", config.model_discovery_listen_addr),
+            ("metrics", config.metrics_listen_addr),
+        ]
+    )
+    return BoundAddresses(*(bound_address(sock) for sock in sockets)), sockets
+
+
+def replica_servers(
+    sockets: Sequence[socket.socket],
+    *,
+    http: ASGIApp,
+    control_plane: ASGIApp,
+    model_discovery: ASGIApp,
+    metrics: ASGIApp,
+    drain_timeout: float,
+    limit_http: Callable[[ASGIApp, HypercornConfig], ASGIApp],
+) -> list[Server]:
+    """The replica's servers on the sockets of `bind_replica`, in the order they start.
+
+    Hypercorn's graceful timeout is past `drain_timeout`: the replica's drain deadline decides
+    when in-flight work is cut, and Hypercorn's must not fire first. Every listener rotates its
+    connections but the control plane's, whose Pylon channels are long-lived; every listener
+    takes TLS but metrics, which stays plain (docs/tls.md). `limit_http` puts the client limits
+    on the HTTP listener (stargate/http_limits.py), given its app and its settings.
+    """
+    listener = functools.partial(hypercorn_config, drain_timeout + 1.0)
+    http_config = listener(rotate_connections=True)
+    http_sock, grpc_sock, discovery_sock, metrics_sock = sockets
+    return [
+        Server("HTTP server", limit_http(http, http_config), http_sock, http_config),
+        Server(
+            "control-plane gRPC server",
+            control_plane,
+            grpc_sock,
+            listener(rotate_connections=False),
+        ),
+        Server(
+            "model-discovery gRPC server",
+            model_discovery,
+            discovery_sock,
+            listener(rotate_connections=True),
+        ),
+        Server(
+            "metrics server",
+            metrics,
+            metrics_sock,
+            listener(rotate_connections=True),
+            tls=False,
+        ),
+    ]
 
 
 async def watch_signals(

@@ -23,7 +23,8 @@ The rules, each for a reason:
 * **The hold budget is counted once**: the follower waits for an owner until the end of the hold
   budget of its own `acquire` (`PoolOwnedElsewhere.deadline`), and for the owner's head until that
   plus the response-header timeout; the owner applies the hold budget itself. The connection pool
-  used here must therefore not time heads out sooner (give it `response_head_timeout=math.inf`).
+  used here must therefore not time heads out sooner (give it `response_head_timeout=math.inf`,
+  as `owner_relay`, the replica's builder, does).
 * **Client disconnect** cancels the relay, which closes the connection to the owner, which
   cancels the owner's request (its `DisconnectHook`, stargate/asgi.py).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Callable, Iterable
 
 import trio
@@ -48,6 +50,7 @@ from stargate.activator import (
     PoolOwnerMoved,
 )
 from stargate.asgi import ASGIScope, ASGISend
+from stargate.config import ProxyConfig
 from stargate.logs import LoggedError
 from stargate.proxy.contract import (
     HOP_BY_HOP,
@@ -58,7 +61,7 @@ from stargate.proxy.contract import (
     with_forwarding,
 )
 from stargate.proxy.response_body import BodyBroke, send_response
-from stargate.upstream import ConnectionPool, UpstreamError, UpstreamResponse
+from stargate.upstream import ConnectionPool, UpstreamError, UpstreamResponse, upstream_config
 
 __all__ = [
     "RELAYED_HEADER",
@@ -66,6 +69,7 @@ __all__ = [
     "RelayBodyError",
     "RelayFailed",
     "is_relayed",
+    "owner_relay",
     "relay_request_headers",
     "relay_response_headers",
 ]
@@ -152,6 +156,11 @@ class OwnerRelay:
         self._pool = pool
         self._activator = activator
         self._header_timeout = response_header_timeout
+
+    @property
+    def connections(self) -> ConnectionPool:
+        """The connections to owners: their owner closes them, and expires their idle ones."""
+        return self._pool
 
     async def relay(
         self,
@@ -324,3 +333,22 @@ class OwnerRelay:
                     },
                 )
                 raise RelayBodyError(message) from None
+
+
+def owner_relay(
+    proxy: ProxyConfig, activator: Activator | None, *, shared: bool
+) -> OwnerRelay | None:
+    """A replica's relay, or None unless its pools are `shared` between replicas (Lease ownership,
+    docs/pool-ownership.md): a replica that decides every pool alone owns every request it gets.
+
+    The relay has connections of its own (`OwnerRelay.connections`), set by the proxy's flags
+    except the head timeout: the owner may hold the request for a whole hold budget before it
+    answers, so only the relay's deadline bounds the head (module docstring).
+    """
+    if activator is None or not shared:
+        return None
+    return OwnerRelay(
+        ConnectionPool(upstream_config(proxy, response_head_timeout=math.inf)),
+        activator,
+        response_header_timeout=proxy.response_header_timeout_ms / 1000,
+    )

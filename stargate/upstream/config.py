@@ -1,4 +1,5 @@
-"""The pool's limits and timeouts (`UpstreamConfig`) and its TLS context (`make_ssl_context`).
+"""The pool's limits and timeouts (`UpstreamConfig`), its TLS context (`make_ssl_context`), and the
+replica's connections to backends as its proxy flags set them (`upstream_config`).
 
 Timeouts (docs/data-plane.md, Timeouts): a connect timeout (TCP + TLS), a head timeout from the
 first request byte until the response head, and **no** timeout on the body, which may stream for
@@ -11,7 +12,9 @@ import math
 import ssl
 from dataclasses import dataclass
 
-__all__ = ["UpstreamConfig", "make_ssl_context"]
+from stargate.config import ProxyConfig
+
+__all__ = ["UpstreamConfig", "make_ssl_context", "upstream_ca_file", "upstream_config"]
 
 
 def make_ssl_context(ca_file: str | None = None) -> ssl.SSLContext:
@@ -78,3 +81,30 @@ class UpstreamConfig:
             raise ValueError(f"max_idle_per_origin must be >= 0, got {self.max_idle_per_origin}")
         if self.ssl_context is not None and self.ca_file is not None:
             raise ValueError("give either ssl_context or ca_file, not both")
+
+
+def upstream_ca_file(proxy: ProxyConfig) -> str | None:
+    """`--upstream-ca-file`, the extra CA bundle every connection to a backend trusts (the
+    proxy's, and the health probes' own)."""
+    return None if proxy.upstream_ca_file is None else str(proxy.upstream_ca_file)
+
+
+def upstream_config(
+    proxy: ProxyConfig, *, response_head_timeout: float | None = None
+) -> UpstreamConfig:
+    """The replica's connections to backends as the proxy's flags set them: the connect timeout,
+    the response head timeout, the extra CA bundle and the per-backend connection cap.
+
+    `response_head_timeout` replaces `--proxy-response-header-timeout-ms` for connections whose
+    user bounds heads itself: the owner relay's (stargate/proxy/owner_relay.py) take `math.inf`,
+    since a pool's owner may hold a request for a whole hold budget before it answers. The other
+    limits keep `UpstreamConfig`'s defaults, which no flag sets.
+    """
+    if response_head_timeout is None:
+        response_head_timeout = proxy.response_header_timeout_ms / 1000
+    return UpstreamConfig(
+        connect_timeout=proxy.connect_timeout_ms / 1000,
+        response_head_timeout=response_head_timeout,
+        ca_file=upstream_ca_file(proxy),
+        max_connections_per_origin=proxy.max_connections_per_backend,
+    )

@@ -6,10 +6,11 @@ import trio
 from quart import Response
 from trio.testing import MockClock
 
-from stargate.admin_app import create_admin_app
-from stargate.config import WarmupConfig
+from stargate.admin_app import create_admin_app, replica_admin_app
+from stargate.config import DiscoveryConfig, ListenAddress, ProxyConfig, ServeConfig, WarmupConfig
 from stargate.readiness import Readiness
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
+from stargate.serving import BoundAddresses
 
 
 async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
@@ -165,3 +166,35 @@ async def test_options_is_an_empty_text_plain_200_with_allow() -> None:
     assert (response.status_code, await response.get_data()) == (200, b"")
     assert response.mimetype == "text/plain"
     assert set(response.headers["allow"].split(", ")) == {"GET", "HEAD", "OPTIONS"}
+
+
+async def test_a_replicas_debug_state_reads_its_addresses_at_each_request() -> None:
+    """`replica_admin_app`: the listeners bind and the publisher is built after the app, so
+    `/debug/state` asks for them each time; the other settings come from the replica's config."""
+    config = ServeConfig(
+        stargate_id="r9",
+        discovery=DiscoveryConfig(dns_name="stargates.example"),
+        proxy=ProxyConfig(accept_openai_requests=True),
+        debug_endpoints=True,
+    )
+    bound: BoundAddresses | None = None
+    advertised: str | None = None
+    app = replica_admin_app(
+        config,
+        Readiness(WarmupConfig(warmup_ms=0)),
+        RoutingState(),
+        bound=lambda: bound,
+        advertise_addr=lambda: advertised,
+    )
+    client = app.test_client()
+    before = (await (await client.get("/debug/state")).get_json())["config"]
+    assert (before["stargate_id"], before["stargate_discovery_dns_name"]) == (
+        "r9",
+        "stargates.example",
+    )
+    assert before["http_listen_addr"] is None and before["advertise_addr"] is None
+    address = ListenAddress("127.0.0.1", 1234)
+    bound = BoundAddresses(address, address, address, address)
+    advertised = "10.0.0.1:50051"
+    after = (await (await client.get("/debug/state")).get_json())["config"]
+    assert (after["http_listen_addr"], after["advertise_addr"]) == ("127.0.0.1:1234", advertised)

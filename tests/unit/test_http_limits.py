@@ -13,10 +13,11 @@ import logging
 import resource
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
+from hypercorn.typing import AppWrapper
 from prometheus_client import CollectorRegistry
 from trio.testing import MockClock
 
@@ -32,9 +33,11 @@ from stargate.http_limits import (
     check_open_file_limit,
     descriptors_needed,
     limit_connections,
+    limit_http_clients,
     limit_request_body_time,
     raise_open_file_limit,
 )
+from stargate.hypercorn_patches.limits import admission as listener_admission
 from stargate.metrics import HttpMetrics
 from stargate.proxy.contract import limit_answer
 from stargate.serving import bind_listener, hypercorn_config, serve_asgi
@@ -488,3 +491,41 @@ def test_the_bare_refusal_has_only_the_code() -> None:
         [(b"x-stargate-error-code", b"too_many_connections")],
         b"",
     )
+
+
+# --- both limits on the HTTP listener ------------------------------------------------------------
+
+
+async def test_limit_http_clients_puts_both_limits_on_the_http_listener(
+    autojump_clock: MockClock,
+) -> None:
+    """The body deadline on the app, answered through the refusal given; the connection count on
+    the listener, with the same metrics."""
+    metrics, registry = _metrics()
+    listener = hypercorn_config(1.0)
+
+    def refusal(
+        headers: Iterable[tuple[bytes, bytes]], status: int, code: str, message: str
+    ) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        return [(b"x-refused", code.encode())], b"late"
+
+    app = _ReadingApp()
+    limited = limit_http_clients(
+        app, listener, body_timeout=2.0, max_connections=1, refusal=refusal, metrics=metrics
+    )
+    exchange = _Exchange()
+    await limited(exchange.scope, exchange.receive, exchange.send)
+    assert exchange.status == 408 and app.cancelled
+    assert exchange.headers()[b"x-refused"] == b"request_body_timeout"
+    assert _value(registry, "t_http_request_body_timeouts_total") == 1
+    admit = listener_admission(listener)
+    assert admit is not None
+    assert admit(cast(AppWrapper, app)) is not None
+    assert _value(registry, "t_http_client_connections") == 1
+
+
+def test_without_a_body_timeout_the_app_is_served_as_is_and_connections_still_count() -> None:
+    listener = hypercorn_config(1.0)
+    app = _ReadingApp()
+    assert limit_http_clients(app, listener, body_timeout=None, max_connections=0) is app
+    assert listener_admission(listener) is not None

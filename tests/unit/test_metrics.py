@@ -12,6 +12,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from trio.testing import MockClock
 
 from stargate.metrics import (
     LATENCY_BUCKETS,
@@ -22,6 +23,7 @@ from stargate.metrics import (
     SeriesKey,
     SeriesSweeper,
     metrics_asgi_app,
+    sweep_interval,
 )
 
 
@@ -305,3 +307,35 @@ def test_a_target_live_between_sweeps_keeps_its_series() -> None:
     assert sweep.sweep(empty, now=30) == 0
     assert sweep.sweep(empty, now=39) == 0
     assert sweep.sweep(empty, now=40) == 1
+
+
+async def test_the_sweep_runs_every_sweep_interval_then_its_follow_up(
+    autojump_clock: MockClock,
+) -> None:
+    """`run` reads the live fleet at each sweep, then calls `then` on the same clock (the runtime
+    releases what other parts keep for departed backends there)."""
+    metrics = Metrics(CollectorRegistry())
+    sweep = DepartedSeriesSweep(metrics, grace_seconds=40)
+    interval = sweep_interval(40)
+    metrics.proxy.retries.labels(model="gone", reason="connect_failover", routing_key="").inc()
+    events: list[tuple[str, float]] = []
+
+    def fleet() -> LiveFleet:
+        events.append(("fleet", trio.current_time()))
+        return LiveFleet.of([])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: sweep.run(fleet, then=lambda: events.append(("then", trio.current_time())))
+        )
+        await trio.sleep(2.5 * interval)
+        assert events == [
+            ("fleet", interval),
+            ("then", interval),
+            ("fleet", 2 * interval),
+            ("then", 2 * interval),
+        ]
+        assert sweep.tracked == 1  # the departed model's retries, in their grace period
+        await trio.sleep(40)
+        assert sweep.tracked == 0  # removed once the grace period ran out
+        nursery.cancel_scope.cancel()

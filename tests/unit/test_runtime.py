@@ -19,7 +19,7 @@ import trio
 import trio.testing
 from quart import Response
 
-from stargate import runtime
+from stargate import runtime, serving
 from stargate.activator.wiring import lease_owner_url
 from stargate.config import (
     ActivatorConfig,
@@ -152,7 +152,7 @@ async def test_force_exit_cancels_in_flight_work_and_exit_is_1() -> None:
 async def test_a_server_that_stops_on_its_own_shuts_the_replica_down_with_exit_1(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_serve = runtime.serve_asgi
+    real_serve = serving.serve_asgi
     served: list[str] = []
 
     async def metrics_server_that_dies(*args: Any, task_status: Any) -> None:
@@ -162,7 +162,7 @@ async def test_a_server_that_stops_on_its_own_shuts_the_replica_down_with_exit_1
             return
         task_status.started()  # the metrics server (started last) stops at once
 
-    monkeypatch.setattr(runtime, "serve_asgi", metrics_server_that_dies)
+    monkeypatch.setattr(serving, "serve_asgi", metrics_server_that_dies)
     replica = Replica(_config())
     async with trio.open_nursery() as nursery:
         _, exit_code = await _start(replica, nursery)

@@ -1,30 +1,40 @@
 """The serving plumbing of `stargate/serving.py`: the shared shutdown-signal watcher (signals come
-from a memory channel, as in tests/unit/test_runtime.py) and listener binding."""
+from a memory channel, as in tests/unit/test_runtime.py), listener binding, the replica's server
+table and a group of servers shut down as one."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import trio
 import trio.testing
 
 from stargate import serving
-from stargate.config import ListenAddress
+from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
+from stargate.config import ListenAddress, ServeConfig
 from stargate.mock import cli as mock_cli
 from stargate.pylon import cli as pylon_cli
 from stargate.pylon.sidecar import Pylon
 from stargate.serving import (
     MAX_REQUESTS_PER_CONNECTION,
     UNLIMITED_REQUESTS_PER_CONNECTION,
+    ASGIApp,
+    Server,
+    Servers,
     StartupError,
     bind_all,
     bind_listener,
+    bind_replica,
     bound_address,
+    closed_on_failure,
     hypercorn_config,
+    replica_servers,
+    startup_failures,
     watch_signals,
 )
 
@@ -171,3 +181,163 @@ def test_connection_rotation_is_opt_in() -> None:
     rotated = hypercorn_config(3.0, rotate_connections=True)
     assert rotated.keep_alive_max_requests == MAX_REQUESTS_PER_CONNECTION
     assert rotated.graceful_timeout == 3.0
+
+
+def test_closed_on_failure_closes_the_sockets_only_when_start_up_fails() -> None:
+    kept = [bind_listener("a", ListenAddress("127.0.0.1", 0))]
+    with closed_on_failure(kept):
+        pass
+    assert kept[0].fileno() != -1
+    kept[0].close()
+    failed = [bind_listener("b", ListenAddress("127.0.0.1", 0))]
+    with pytest.raises(StartupError), closed_on_failure(failed):
+        raise StartupError("cannot start")
+    assert failed[0].fileno() == -1
+
+
+def test_startup_failures_flattens_nested_groups() -> None:
+    first, second, third = StartupError("a"), StartupError("b"), StartupError("c")
+    nested = BaseExceptionGroup("outer", [first, BaseExceptionGroup("inner", [second, third])])
+    group = cast(BaseExceptionGroup[StartupError], nested)  # as `except* StartupError` sees it
+    assert startup_failures(group) == [first, second, third]
+
+
+def test_bind_replica_binds_the_four_listeners_in_order() -> None:
+    config = ServeConfig(
+        stargate_id="r1",
+        http_listen_addr=ListenAddress("127.0.0.1", 0),
+        listen_addr=ListenAddress("127.0.0.1", 0),
+        model_discovery_listen_addr=ListenAddress("127.0.0.1", 0),
+        metrics_port=0,
+    )
+    bound, sockets = bind_replica(config)
+    try:
+        assert [bound.http, bound.grpc, bound.model_discovery, bound.metrics] == [
+            bound_address(sock) for sock in sockets
+        ]
+        assert str(bound) == (
+            f"http={bound.http} grpc={bound.grpc} model_discovery={bound.model_discovery} "
+            f"metrics={bound.metrics}"
+        )
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def _app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+    pass
+
+
+def test_the_replica_server_table() -> None:
+    """Names, start order, connection rotation (not on the control plane's long-lived Pylon
+    channels), TLS (not on metrics), Hypercorn's graceful timeout past the drain deadline, and the
+    client limits on the HTTP listener only."""
+    names = ("http", "control_plane", "model_discovery", "metrics", "limited")
+    apps: dict[str, ASGIApp] = {name: functools.partial(_app) for name in names}  # distinct
+    limited: list[tuple[ASGIApp, Any]] = []
+
+    def limit_http(app: ASGIApp, listener: Any) -> ASGIApp:
+        limited.append((app, listener))
+        return apps["limited"]
+
+    sockets = [cast(socket.socket, object()) for _ in range(4)]
+    servers = replica_servers(
+        sockets,
+        http=apps["http"],
+        control_plane=apps["control_plane"],
+        model_discovery=apps["model_discovery"],
+        metrics=apps["metrics"],
+        drain_timeout=7.0,
+        limit_http=limit_http,
+    )
+    assert [(s.name, s.app, s.sock, s.tls) for s in servers] == [
+        ("HTTP server", apps["limited"], sockets[0], True),
+        ("control-plane gRPC server", apps["control_plane"], sockets[1], True),
+        ("model-discovery gRPC server", apps["model_discovery"], sockets[2], True),
+        ("metrics server", apps["metrics"], sockets[3], False),
+    ]
+    assert limited == [(apps["http"], servers[0].config)]
+    assert [s.config.keep_alive_max_requests for s in servers] == [
+        MAX_REQUESTS_PER_CONNECTION,
+        UNLIMITED_REQUESTS_PER_CONNECTION,
+        MAX_REQUESTS_PER_CONNECTION,
+        MAX_REQUESTS_PER_CONNECTION,
+    ]
+    assert {s.config.graceful_timeout for s in servers} == {8.0}
+
+
+async def test_servers_start_in_order_with_tls_where_asked_and_leave_once_shutting_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each server is served with its own settings, TLS only where the server takes it, through
+    the supervisor; a server started after `leave` (a signal during start-up) leaves at once, and
+    `stop` is every server's shutdown trigger."""
+    served: list[tuple[str, bool]] = []
+    triggers: list[Any] = []
+
+    async def fake_serve(
+        app: ASGIApp, sock: Any, config: Any, trigger: Any, *, task_status: Any, **tls: Any
+    ) -> None:
+        served.append((sock, "ssl_context" in tls))
+        triggers.append(trigger)
+        task_status.started()
+
+    supervised: list[str] = []
+
+    async def supervise(name: str, serve: Any, *, task_status: Any) -> None:
+        supervised.append(name)
+        await serve(task_status=task_status)
+
+    monkeypatch.setattr(serving, "serve_asgi", fake_serve)
+    group = Servers()
+    first = Server("first", _app, cast(socket.socket, "a"), hypercorn_config(1.0))
+    plain = Server("plain", _app, cast(socket.socket, "b"), hypercorn_config(1.0), tls=False)
+    context = cast(Any, object())
+    async with trio.open_nursery() as nursery:
+        await group.start(nursery, [first], ssl_context=context, supervise=supervise)
+        assert first.config.keep_alive_max_requests == UNLIMITED_REQUESTS_PER_CONNECTION
+        group.leave()
+        assert first.config.keep_alive_max_requests == 0  # told to leave
+        await group.start(nursery, [plain], ssl_context=context, supervise=supervise)
+        assert plain.config.keep_alive_max_requests == 0  # left as it started
+    assert served == [("a", True), ("b", False)]
+    assert supervised == ["first", "plain"]
+    with trio.fail_after(1):
+        group.stop()
+        for trigger in triggers:
+            await trigger()
+
+
+async def test_servers_count_the_requests_in_flight_on_every_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    apps: list[ASGIApp] = []
+
+    async def fake_serve(app: ASGIApp, *args: Any, task_status: Any) -> None:
+        apps.append(app)
+        task_status.started()
+
+    release = trio.Event()
+
+    async def slow(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        await release.wait()
+
+    monkeypatch.setattr(serving, "serve_asgi", fake_serve)
+    group = Servers()
+    async with trio.open_nursery() as nursery:
+        server = Server("s", slow, cast(socket.socket, None), hypercorn_config(1.0))
+        await group.start(nursery, [server])
+        nursery.start_soon(apps[0], {"type": "http"}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        idle = False
+
+        async def wait() -> None:
+            nonlocal idle
+            await group.wait_idle()
+            idle = True
+
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not idle
+        release.set()
+    assert idle

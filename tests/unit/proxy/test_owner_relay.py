@@ -10,6 +10,7 @@ retries). A relayed request reaching a replica that does not own the pool is ans
 from __future__ import annotations
 
 import json
+import math
 import socket
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from stargate.activator import PoolSpec
+from stargate.activator import Activator, PoolSpec
 from stargate.activator.testing import FakeOwnership, Harness, running_activator
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend, answer_lifespan
 from stargate.config import ListenAddress, ProxyConfig
@@ -31,6 +32,7 @@ from stargate.proxy.forwarder import Forwarder
 from stargate.proxy.owner_relay import (
     RELAYED_HEADER,
     OwnerRelay,
+    owner_relay,
     relay_request_headers,
     relay_response_headers,
 )
@@ -87,6 +89,21 @@ def test_response_headers_as_sent_minus_hop_by_hop() -> None:
         (b"retry-after", b"5"),
     ]
     assert relay_response_headers(sent) == [sent[0], *sent[4:]]
+
+
+def test_a_replica_relays_only_with_shared_pools_on_connections_that_never_time_heads_out() -> None:
+    """The replica's builder: no relay for pools this replica decides alone (or without pools);
+    otherwise connections as the proxy's flags set them, except the head timeout, which the relay
+    applies itself (the owner may hold the request for a whole hold budget first)."""
+    proxy = ProxyConfig(connect_timeout_ms=1_500, max_connections_per_backend=7)
+    activator = cast(Activator, object())  # the builder only hands it to the relay
+    assert owner_relay(proxy, activator, shared=False) is None
+    assert owner_relay(proxy, None, shared=True) is None
+    relay = owner_relay(proxy, activator, shared=True)
+    assert relay is not None
+    connections = relay.connections.config
+    assert connections.response_head_timeout == math.inf
+    assert (connections.connect_timeout, connections.max_connections_per_origin) == (1.5, 7)
 
 
 # ---- the stand-in owner ------------------------------------------------------------------------
