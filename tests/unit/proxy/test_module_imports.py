@@ -8,58 +8,20 @@ upstream connection used to name the pool's `Origin` that way).
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _module(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+from tests.unit.test_layering import PACKAGE, _cycle, _imports, _module_name
 
 
 def _graph(package: str) -> dict[str, set[str]]:
     """Module -> the other modules of `package` it imports (`from package import name` counts
     as importing `package.name` when that is a module)."""
-    files = sorted((ROOT / package.replace(".", "/")).glob("*.py"))
-    modules = {_module(path) for path in files}
-    graph: dict[str, set[str]] = {}
-    for path in files:
-        source = _module(path)
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-        graph[source] = (found & modules) - {source, package}
-    return graph
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
+    files = sorted((PACKAGE.parent / package.replace(".", "/")).glob("*.py"))
+    modules = {_module_name(path) for path in files}
+    return {
+        _module_name(path): (_imports(path) & modules) - {_module_name(path), package}
+        for path in files
+    }
 
 
 @pytest.mark.parametrize("package", ["stargate.upstream", "stargate.proxy"])
