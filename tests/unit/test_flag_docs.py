@@ -21,7 +21,7 @@ from stargate.settings import Setting, Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
-# (table, the README heading of its section, the heading of the section that ends it)
+# command -> (its Settings table, the README heading of its section, which ends at the next "## ")
 COMMANDS: dict[str, tuple[Settings[object], str]] = {
     "serve": (SERVE, "## `stargate serve` flags"),
     "pylon": (PYLON, "## `stargate pylon`"),
