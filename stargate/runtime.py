@@ -10,18 +10,16 @@ SIGINT, and a critical task (a server) that ends on its own, skip the leave phas
 makes the exit code 1.
 
 This module only wires: the phases, their guards and the exit code rule are `stargate.lifecycle`'s
-(driven from here, read by readiness), and each part's builder or upkeep lives beside the part
-(e.g. the pools' in `activator/wiring.py`, the server table in `serving.py`, the backend
-connections in `upstream/`, the owner relay in `proxy/owner_relay.py`).
+(read by readiness), the I/O of each step `stargate.shutdown`'s, and each part's builder or upkeep
+lives beside the part (e.g. the pools' in `activator/wiring.py`, the server table in `serving.py`,
+the backend connections in `upstream/`, the owner relay in `proxy/owner_relay.py`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
 import trio
@@ -45,7 +43,7 @@ from stargate.control_plane.services import control_plane_app, model_discovery_a
 from stargate.gc_policy import tune_for_serving
 from stargate.health_probe import http_health_probe
 from stargate.http_limits import check_open_file_limit, limit_http_clients
-from stargate.lifecycle import Lifecycle, Outcome, Phase
+from stargate.lifecycle import Lifecycle, Outcome
 from stargate.load_balancing.config import lb_config_at_startup
 from stargate.metrics import (
     SERIES_GRACE_SECONDS,
@@ -71,8 +69,8 @@ from stargate.serving import (
     closed_on_failure,
     replica_servers,
     startup_failures,
-    watch_signals,
 )
+from stargate.shutdown import Shutdown, ShutdownSteps
 from stargate.tls import ServedIdentity
 from stargate.tracing import start_tracing
 from stargate.upstream import ConnectionPool, ConnectionPools, upstream_ca_file, upstream_config
@@ -186,90 +184,33 @@ class Replica:
             ),
         )
         self._servers = Servers()  # left, stopped and drained as one (serving.py)
-        self._services_scope: trio.CancelScope | None = None
-        self._services: trio.Nursery | None = None
-        self._drain_deadline: float | None = None
+        self.shutdown = Shutdown(
+            self.lifecycle,
+            ShutdownSteps(
+                hand_over=self.pools.hand_over,
+                leave=self._leave,
+                stop_accepting=self._stop_accepting,
+                wait_idle=self._servers.wait_idle,
+                release=self.pools.release_leases,
+            ),
+            delay_seconds=config.shutdown_delay_seconds,
+            drain_timeout_seconds=config.shutdown_drain_timeout_seconds,
+        )
         self.tracing: Tracing | None = None  # built by `run()` with --otel-endpoint
 
-    # ---- shutdown: the lifecycle's transitions, and the I/O each one calls for -------------------
-
-    @property
-    def shutting_down(self) -> bool:
-        """True from the first signal on (leaving or draining)."""
-        return self.lifecycle.shutting_down
-
-    def begin_shutdown(self, *, leave: bool = True) -> None:
-        """Start a graceful shutdown (idempotent): unready now, then stop accepting and drain.
-
-        With `leave` (SIGTERM) and a nonzero `--shutdown-delay-ms`, the replica first serves on
-        for the delay while clients and Pylons move to other replicas; nothing but
-        `force_exit()` or a later `begin_shutdown(leave=False)` cuts that short. Without it
-        (SIGINT, a critical failure) it stops accepting at once.
-        """
-        step = self.lifecycle.shutdown_step(leave=leave)
-        if step is not None and not self.lifecycle.shutting_down:
-            self._hand_over_pools()
-        if step is Phase.LEAVING:
-            self._leave()
-        elif step is Phase.DRAINING:
-            self._stop_accepting()
+    # ---- shutdown: what the parts do at each step (the sequence is stargate/shutdown.py) ---------
 
     def _leave(self) -> None:
-        """The leave phase: unready, clients and Pylons told to move on, everything still served;
-        the drain follows after the delay."""
-        log.info(
-            "leaving: /readyz answers 503 and clients are asked to move on; still serving for "
-            "%g s before draining",
-            self.config.shutdown_delay_seconds,
-        )
-        self.lifecycle.begin_leaving()
         if self.publisher is not None:
             self.publisher.leave()
         self.registrations.leave()
         self._servers.leave()
-        if self._services is not None:
-            self._services.start_soon(self._leave_then_drain)
-
-    async def _leave_then_drain(self) -> None:
-        await trio.sleep(self.config.shutdown_delay_seconds)
-        self._stop_accepting()
 
     def _stop_accepting(self) -> None:
-        """The drain: stop accepting, end registration and watch streams (routes removed, so
-        Pylons stay with the other replicas) and let in-flight requests and streams finish."""
-        if self.lifecycle.stopped_accepting:
-            return
-        log.info("entering draining mode")
-        self.lifecycle.begin_draining()
         if self.publisher is not None:
             self.publisher.stop()
         self.registrations.shutdown()
         self._servers.stop()
-        if self._services is not None:
-            self._services.start_soon(self._finish_drain)
-        self._drain_deadline = trio.current_time() + self.config.shutdown_drain_timeout_seconds
-        if self._services_scope is not None:
-            self._services_scope.deadline = self._drain_deadline
-
-    def force_exit(self) -> None:
-        """Stop draining now: cancel whatever is still running; the exit code will be 1."""
-        self.lifecycle.force()
-        self.begin_shutdown(leave=False)
-        if self._services_scope is not None:
-            self._services_scope.cancel()
-
-    async def _finish_drain(self) -> None:
-        """End the servers once nothing is in flight; their remaining connections are idle."""
-        await self._servers.wait_idle()
-        log.info("in-flight requests and streams finished")
-        await self.pools.release_leases()
-        self.lifecycle.drained()
-        if self._services_scope is not None:
-            self._services_scope.cancel()
-
-    def _hand_over_pools(self) -> None:
-        if self._services is not None:
-            self.pools.hand_over(self._services)
 
     # ---- run: bind, prepare, start the services, serve, close ------------------------------------
 
@@ -336,18 +277,10 @@ class Replica:
 
     async def _start_services(self, services: trio.Nursery, publisher: WatchPublisher) -> None:
         """The background tasks, the publisher and the pools, before any listener serves."""
-        self._services_scope = services.cancel_scope
-        self._services = services
-        # A shutdown that began before this nursery existed (a signal during start-up) goes on.
-        if self.lifecycle.stopped_accepting:
-            services.start_soon(self._finish_drain)
-        elif self.lifecycle.shutting_down:
-            services.start_soon(self._leave_then_drain)
-        if self._drain_deadline is not None:
-            services.cancel_scope.deadline = self._drain_deadline
+        self.shutdown.attach(services)
         if self.config.warmup.enabled:
             services.start_soon(self.readiness.run_warmup, self.routing.total_active_backend_count)
-        await services.start(self._critical, "WatchStargates publisher", publisher.run)
+        await services.start(self.shutdown.critical, "WatchStargates publisher", publisher.run)
         services.start_soon(self._connections.expire_idle, self.upstream.config.idle_expiry)
         services.start_soon(
             self.series_sweep.run, self._live_fleet, self._release_departed_backends
@@ -356,8 +289,7 @@ class Replica:
             services.start_soon(self.tls.run)
             services.start_soon(self.readiness.watch_certificate_expiry)
         self.activator = await self._start_activator(services)
-        if self.lifecycle.shutting_down:  # a signal came while the pools started
-            self._hand_over_pools()
+        self.shutdown.hand_over_if_shutting_down()  # a signal came while the pools started
 
     async def _start_activator(self, services: trio.Nursery) -> Activator | None:
         """Run the pools' controllers and the activator in the service nursery (None without a
@@ -423,7 +355,7 @@ class Replica:
             services,
             servers,
             ssl_context=None if self.tls is None else self.tls.context,
-            supervise=self._critical,
+            supervise=self.shutdown.critical,
         )
 
     async def _close(self) -> None:
@@ -437,21 +369,6 @@ class Replica:
             await self.tracing.aclose()
         if isinstance(self.registrations.authenticator, WorkerAuthenticator):
             await self.registrations.authenticator.aclose()
-
-    async def _critical(
-        self,
-        name: str,
-        run: Callable[..., Awaitable[None]],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Run a task whose ending, other than in a shutdown, shuts the replica down."""
-        try:
-            await run(task_status=task_status)
-        finally:
-            if self.lifecycle.fail():
-                log.error("%s exited unexpectedly; beginning shutdown", name)
-                self.begin_shutdown(leave=False)
 
     # ---- background housekeeping: what the replica keeps for backends that left -----------------
 
@@ -488,22 +405,6 @@ class Replica:
             self.forwarder.forget_target(target)
 
 
-async def _watch_signals(signals: AsyncIterator[int], replica: Replica) -> None:
-    """SIGTERM (an orchestrator) leaves then drains; SIGINT (a person at a terminal) drains at
-    once; a second signal of either kind, or any signal once the replica is already shutting
-    down (a critical task failed), forces exit 1."""
-
-    def begin(sig: signal.Signals) -> None:
-        log.info("received %s, beginning graceful shutdown", sig.name)
-        replica.begin_shutdown(leave=sig != signal.SIGINT)
-
-    def force(sig: signal.Signals) -> None:
-        log.warning("received %s during shutdown", sig.name)
-        replica.force_exit()
-
-    await watch_signals(signals, begin, force, stopping=lambda: replica.shutting_down)
-
-
 async def _main(config: ServeConfig) -> int:
     try:
         replica = Replica(config)
@@ -515,7 +416,7 @@ async def _main(config: ServeConfig) -> int:
     with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_signals, signals, replica)
+                nursery.start_soon(replica.shutdown.watch, signals)
                 code = await replica.run()
                 nursery.cancel_scope.cancel()
         except* StartupError as group:

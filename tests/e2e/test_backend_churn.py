@@ -222,4 +222,4 @@ async def test_a_replica_returns_to_its_baseline_after_300_backends_came_served_
             anchor.cancel()
         finally:
             await fleet.http.aclose()
-            replica.begin_shutdown(leave=False)
+            replica.shutdown.begin(leave=False)

@@ -134,7 +134,7 @@ async def test_series_of_departed_backends_are_removed_after_the_grace_period(
             anchor.cancel()
         finally:
             await client.aclose()
-            replica.begin_shutdown(leave=False)
+            replica.shutdown.begin(leave=False)
 
 
 async def test_a_departed_model_that_still_gets_requests_keeps_its_series(
@@ -165,4 +165,4 @@ async def test_a_departed_model_that_still_gets_requests_keeps_its_series(
             assert 'inference_server_id="only"' not in text
         finally:
             await client.aclose()
-            replica.begin_shutdown(leave=False)
+            replica.shutdown.begin(leave=False)

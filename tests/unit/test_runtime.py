@@ -19,7 +19,7 @@ import trio
 import trio.testing
 from quart import Response
 
-from stargate import runtime, serving
+from stargate import serving
 from stargate.activator.wiring import lease_owner_url
 from stargate.config import (
     ActivatorConfig,
@@ -97,7 +97,7 @@ async def test_in_flight_stream_finishes_during_drain_and_exit_is_0() -> None:
             async for chunk in response.aiter_bytes():
                 received.append(chunk)
                 if len(received) == 1:
-                    replica.begin_shutdown()
+                    replica.shutdown.begin()
                     assert not replica.readiness.ready
     assert b"".join(received) == b"".join(f"chunk {i}\n".encode() for i in range(CHUNKS))
     assert exit_code() == 0
@@ -110,7 +110,7 @@ async def test_listener_stops_accepting_once_shutdown_begins() -> None:
         bound, exit_code = await _start(replica, nursery)
         async with httpx.AsyncClient() as client:
             assert (await client.get(_url(bound, "/readyz"))).status_code == 200
-        replica.begin_shutdown()
+        replica.shutdown.begin()
     assert exit_code() == 0
     with (
         pytest.raises(ConnectionRefusedError),
@@ -129,7 +129,7 @@ async def test_drain_timeout_cuts_the_stream_and_exit_is_1() -> None:
             with pytest.raises(httpx.RemoteProtocolError):
                 async with client.stream("GET", _url(bound, "/slow-stream")) as response:
                     async for _ in response.aiter_bytes():
-                        replica.begin_shutdown()
+                        replica.shutdown.begin()
     assert exit_code() == 1
     assert trio.current_time() - start < 1.0
     assert replica.lifecycle.phase is Phase.DRAINING  # cut by the deadline, never done
@@ -144,8 +144,8 @@ async def test_force_exit_cancels_in_flight_work_and_exit_is_1() -> None:
             with pytest.raises(httpx.RemoteProtocolError):
                 async with client.stream("GET", _url(bound, "/slow-stream")) as response:
                     async for _ in response.aiter_bytes():
-                        replica.begin_shutdown()
-                        replica.force_exit()
+                        replica.shutdown.begin()
+                        replica.shutdown.force()
     assert exit_code() == 1
 
 
@@ -168,7 +168,7 @@ async def test_a_server_that_stops_on_its_own_shuts_the_replica_down_with_exit_1
         _, exit_code = await _start(replica, nursery)
     assert exit_code() == 1
     assert len(served) == 4
-    assert replica.shutting_down and replica.lifecycle.failed
+    assert replica.lifecycle.shutting_down and replica.lifecycle.failed
     assert not replica.readiness.ready
 
 
@@ -178,7 +178,7 @@ async def test_shutdown_during_warmup_ends_the_sampler_and_readyz_stays_503() ->
         bound, exit_code = await _start(replica, nursery)
         async with httpx.AsyncClient() as client:
             assert (await client.get(_url(bound, "/readyz"))).status_code == 503
-        replica.begin_shutdown()
+        replica.shutdown.begin()
     # The nursery could only close because the sampler ended with the warmup scope.
     assert exit_code() == 0
     assert replica.readiness.warm and not replica.readiness.ready
@@ -200,14 +200,14 @@ async def test_first_signal_drains_and_a_second_forces_exit() -> None:
     send_signal, signals = trio.open_memory_channel[int](2)
     async with trio.open_nursery() as nursery:
         bound, exit_code = await _start(replica, nursery)
-        nursery.start_soon(runtime._watch_signals, signals, replica)
+        nursery.start_soon(replica.shutdown.watch, signals)
         async with httpx.AsyncClient() as client:
             with pytest.raises(httpx.RemoteProtocolError):
                 async with client.stream("GET", _url(bound, "/slow-stream")) as response:
                     async for _ in response.aiter_bytes():
                         await send_signal.send(signal.SIGTERM)
                         await trio.testing.wait_all_tasks_blocked()
-                        assert replica.shutting_down
+                        assert replica.lifecycle.shutting_down
                         assert exit_code() is None  # still draining the stream
                         await send_signal.send(signal.SIGINT)
         await send_signal.aclose()  # ends the watcher
@@ -226,7 +226,7 @@ async def test_a_window_shorter_than_a_pylon_reconnect_is_warned_about(
     replica = Replica(_config(warmup=warmup))
     async with trio.open_nursery() as nursery:
         await _start(replica, nursery)
-        replica.begin_shutdown()
+        replica.shutdown.begin()
     warned = [r for r in caplog.records if "shorter than 1000 ms" in r.getMessage()]
     assert bool(warned) is warns
 
@@ -341,7 +341,7 @@ async def test_the_wiring_logs_and_debug_state_are_the_runtimes(
         bound, exit_code = await _start(replica, nursery)
         async with httpx.AsyncClient() as client:
             state = (await client.get(_url(bound, "/debug/state"))).json()
-        replica.begin_shutdown()
+        replica.shutdown.begin()
     assert exit_code() == 0
     assert state["config"] == {
         "stargate_id": "test-replica",
