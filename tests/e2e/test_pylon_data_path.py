@@ -510,10 +510,15 @@ def test_bad_input_to_the_pylon_gets_its_documented_answer_and_loses_nothing(fle
             for _ in response.iter_bytes():
                 pass
         assert "engine stream of request r1 cut" in cut.process.log
+        # That Pylon leaves before its engine does: a request routed to it after the engine
+        # closed would get its non-retryable 503 `local_connect_failure` (the Rust default).
+        cut.process.process.send_signal(signal.SIGTERM)
+        assert cut.process.process.wait(timeout=10) == 0
     finally:
         huge.close()
 
     # Nothing was lost: the Pylon still serves through the replica, its queue is empty.
+    wait_routable(replica, 1)
     with httpx.Client(base_url=f"http://127.0.0.1:{replica.ports.http}", timeout=30) as client:
         assert stream_once(client, chat())[0] == 200
     wait_until(
