@@ -22,6 +22,7 @@ __all__ = [
     "ActivatorConfig",
     "ConfigError",
     "ControlPlaneConfig",
+    "DemoConfig",
     "DiscoveryConfig",
     "ListenAddress",
     "PoolOwnershipConfig",
@@ -136,6 +137,18 @@ class WarmupConfig:
         (docs/pylon.md). True when warmup is off: then nothing is sampled."""
         window_ms = self.sample_interval_ms * self.stabilization_window
         return not self.enabled or window_ms >= PYLON_RECONNECT_WINDOW_MS
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """`stargate demo`: its replica's listeners and warmup (the CLI supplies defaults; the demo
+    itself is stargate/demo.py)."""
+
+    http_listen_addr: ListenAddress
+    listen_addr: ListenAddress
+    model_discovery_listen_addr: ListenAddress
+    metrics_listen_addr: ListenAddress
+    warmup: WarmupConfig
+    engines: int = 2
 
 
 @dataclass(frozen=True, slots=True)

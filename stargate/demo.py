@@ -17,13 +17,12 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import httpx
 import trio
 
-from stargate.config import ListenAddress, WarmupConfig
+from stargate.config import DemoConfig, ListenAddress
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -42,18 +41,6 @@ def stats_line(stats: dict[str, Any], estimated: bool) -> str:
         f"queue {stats['queue_size']} ({stats['queued_input_size']} tokens), "
         f"running {stats['num_running_queries']}"
     )
-
-
-@dataclass(frozen=True, slots=True)
-class DemoConfig:
-    """The demo replica's listeners and warmup (the CLI supplies defaults)."""
-
-    http_listen_addr: ListenAddress
-    listen_addr: ListenAddress
-    model_discovery_listen_addr: ListenAddress
-    metrics_listen_addr: ListenAddress
-    warmup: WarmupConfig
-    engines: int = 2
 
 
 def _stargate(*args: str) -> list[str]:
