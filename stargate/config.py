@@ -138,6 +138,7 @@ class WarmupConfig:
         window_ms = self.sample_interval_ms * self.stabilization_window
         return not self.enabled or window_ms >= PYLON_RECONNECT_WINDOW_MS
 
+
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
     """`stargate demo`: its replica's listeners and warmup (the CLI supplies defaults; the demo
