@@ -191,7 +191,7 @@ class Replica:
                 leave=self._leave,
                 stop_accepting=self._stop_accepting,
                 wait_idle=self._servers.wait_idle,
-                release=self.pools.release_leases,
+                release=self._release,
             ),
             delay_seconds=config.shutdown_delay_seconds,
             drain_timeout_seconds=config.shutdown_drain_timeout_seconds,
@@ -211,6 +211,10 @@ class Replica:
             self.publisher.stop()
         self.registrations.shutdown()
         self._servers.stop()
+
+    async def _release(self) -> None:
+        self.registrations.release_routes()
+        await self.pools.release_leases()
 
     # ---- run: bind, prepare, start the services, serve, close ------------------------------------
 

@@ -7,8 +7,8 @@ module acts on its answers, in the manner of `warmup.py` and `readiness.py`:
 - *leave* (SIGTERM with a nonzero `--shutdown-delay-ms`): the parts stop announcing the replica
   and everything is still served; after the delay, the drain.
 - *drain* (SIGINT, a failed critical task, or the end of the delay): the parts stop accepting, the
-  background work gets the drain deadline, and once nothing is in flight the pools' Leases are
-  released and the background work is cancelled.
+  background work gets the drain deadline, and once nothing is in flight the held routes and the
+  pools' Leases are released and the background work is cancelled.
 - *force* (a second signal): whatever still runs is cancelled now; the exit code will be 1.
 
 The parts are reached through `ShutdownSteps`, so this module imports none of them
@@ -45,7 +45,8 @@ class ShutdownSteps:
     wait_idle: Callable[[], Awaitable[None]]
     """Return once no request or stream is in flight."""
     release: Callable[[], Awaitable[None]]
-    """Once drained: give up what other replicas may take over (the pools' Leases)."""
+    """Once drained: drop the routes held through the drain, give up what other replicas may
+    take over (the pools' Leases)."""
 
 
 class Shutdown:

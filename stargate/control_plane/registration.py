@@ -25,11 +25,12 @@ Removing routes tells the proxy to move requests still waiting for that backend'
 except when the removal says nothing about the backend: the replica's own shutdown (requests in
 flight drain where they are) and a held registration replaced by the same backend's new stream.
 
-While the replica leaves the Service (the shutdown delay, docs/rolling-restarts.md) it still
-serves requests, so the routes of a stream that ends then are *held* until it stops accepting:
-a Pylon that closes its registration because the leaving replica no longer announces itself must
-not turn the requests still arriving into 404s. A new registration of the same id replaces a held
-one at once.
+Once the replica begins to shut down (docs/rolling-restarts.md) it still serves requests: while it
+leaves, everything; while it drains, the requests in flight and those on connections the
+listeners accepted just before they closed. So the routes of a stream that ends from then on,
+whether its Pylon closed it (the leaving replica no longer announces itself) or the drain ended
+it, are *held* until the drain is over (`release_routes`): the requests still arriving must not
+turn into 404s. A new registration of the same id replaces a held one at once.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class RegistrationService:
         self._streams: set[trio.CancelScope] = set()
         self._shutting_down = False
         self._leaving = False
+        self._released = False
         self._held: dict[str, Registration] = {}
         self._probe_clock = ProbeClock(config.health_interval_seconds)
 
@@ -103,7 +105,8 @@ class RegistrationService:
 
     @property
     def held_registrations(self) -> int:
-        """Registrations whose stream ended while leaving, their routes kept until shutdown."""
+        """Registrations whose stream ended once the replica began to shut down, their routes kept
+        until `release_routes()`."""
         return len(self._held)
 
     def leave(self) -> None:
@@ -111,13 +114,19 @@ class RegistrationService:
         self._leaving = True
 
     def shutdown(self) -> None:
-        """End every stream at its next wait point (OK status, routes removed), refuse new ones,
-        and remove the routes held since `leave()`."""
+        """End every stream at its next wait point (OK status) and refuse new ones. Their routes,
+        like those held since `leave()`, stay until `release_routes()`: the listeners have
+        closed, but a request on a connection accepted just before is still to be routed (it
+        got a 404 `no_eligible_candidates` when the routes went with the streams)."""
         self._shutting_down = True
         for scope in self._streams:
             scope.cancel()
+
+    def release_routes(self) -> None:
+        """Once nothing is in flight (the drain is over): remove every held route."""
+        self._released = True
         for registration in self._held.values():
-            self._routing.end(registration, notify=False)  # in-flight requests drain
+            self._routing.end(registration, notify=False)  # nothing routes on them any more
         self._held.clear()
 
     async def register(self, requests: Registrations, context: RpcContext, send: SendAck) -> None:
@@ -168,11 +177,12 @@ class RegistrationService:
 
     def _end(self, registration: Registration) -> None:
         server_id = registration.identity.inference_server_id
-        if self._leaving and not self._shutting_down and self._routing.is_live(registration):
+        holding = (self._leaving or self._shutting_down) and not self._released
+        if holding and self._routing.is_live(registration):
             self._held[server_id] = registration
             log.info(
-                "registration ended while leaving; routes kept until the replica stops "
-                "accepting: inference_server_id=%s",
+                "registration ended while the replica shuts down; routes kept until nothing is "
+                "in flight: inference_server_id=%s",
                 server_id,
             )
             return

@@ -219,11 +219,11 @@ def test_nothing_else_cuts_the_delay_short(tmp_path: Path, backend: MockBackendP
         time.sleep(DELAY_MS / 1000 - 0.8)
         assert replica.process.process.poll() is None
         assert _phase(replica) == "leaving"
-        # The routes of a registration that ended while leaving are kept until the drain.
+        # The routes of a registration that ended while leaving are kept until the drain is over.
         with httpx.Client(timeout=10) as client:
             assert _chat(client, replica).status_code == 200
         assert replica.process.process.wait(timeout=10) == 0
         assert time.monotonic() - started >= DELAY_MS / 1000 - 0.2
-        assert "registration ended while leaving; routes kept" in replica.process.log
+        assert "registration ended while the replica shuts down; routes kept" in replica.process.log
     finally:
         replica.close()

@@ -275,7 +275,7 @@ async def test_inactive_while_the_probe_fails_stays_down_when_the_probe_recovers
         service.shutdown()
 
 
-async def test_shutdown_and_held_routes_remove_without_cancelling_anything(
+async def test_routes_are_held_through_the_drain_and_removed_without_cancelling_anything(
     autojump_clock: MockClock,
 ) -> None:
     heard = Unroutable()
@@ -294,7 +294,14 @@ async def test_shutdown_and_held_routes_remove_without_cancelling_anything(
         assert service.held_registrations == 1
         assert state.snapshot(OTHER) is not None
         service.shutdown()  # the replica's own drain: in-flight requests finish where they are
+        await trio.sleep(0.5)
+        # Every route stays through the drain: requests on connections accepted just before the
+        # listeners closed are still routed.
+        assert service.held_registrations == 2
+        assert state.snapshot(M) is not None and state.snapshot(OTHER) is not None
+        service.release_routes()  # nothing in flight any more
     assert state.snapshot(M) is None and state.snapshot(OTHER) is None
+    assert service.held_registrations == 0
     assert heard.events == []
 
 
