@@ -30,8 +30,16 @@ def _pyenv_python(version: str) -> str:
 
 def _pytest_args(session: nox.Session) -> list[str]:
     """Arguments after `--` replace the defaults (`nox -s tests -- tests/unit -x`). By default the
-    slowest tests are listed at the end, so a run says where the suite's time goes."""
-    return list(session.posargs) or ["--durations=30"]
+    suite runs on one worker per core (pytest-xdist; at most 4: the end-to-end tests start
+    several processes each, and timing bounds assume they are not starved), the long modules
+    first (tests/conftest.py), and the slowest tests are listed at the end, so a run says where
+    the suite's time goes."""
+    return list(session.posargs) or [
+        "--numprocesses=auto",
+        "--maxprocesses=4",
+        "--dist=worksteal",
+        "--durations=30",
+    ]
 
 
 @nox.session(python=PYTHON)
