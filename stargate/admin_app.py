@@ -1,37 +1,44 @@
-"""The replica's admin HTTP app (QuartTrio): probes, model listing and the debug state.
+"""The replica's admin HTTP app: probes, model listing and the debug state.
 
 The proxy routes sit in front of it (`stargate/proxy/app.py`); the probes stay cheap because the
-kubelet calls them every few seconds. Framework errors (404, 405) have an empty `text/plain` body,
-never Quart's HTML page, and so has the automatic `OPTIONS` answer. With
-`--accept-openai-requests`, `/v1/models` is a superset that both OpenAI SDKs and contract clients
-read, and `/v1/models/{id}` exists (docs/clients.md).
+kubelet calls them every few seconds. Errors (404, 405) and the `OPTIONS` answer have an empty
+`text/plain` body, never HTML. With `--accept-openai-requests`, `/v1/models` is a superset that
+both OpenAI SDKs and contract clients read, and `/v1/models/{id}` exists (docs/clients.md).
 
-Bad input is an answer, never a 500 (tests/unit/proxy/test_bad_input.py): routing ignores the
-`Host` header (Werkzeug raised `BadHost` outside every error handler for a name it cannot
-IDNA-encode), a query that is not visible ASCII (HTTP/2 delivers any byte) is percent-encoded
-before Quart decodes it as strict UTF-8, and Werkzeug never redirects (its merging of doubled
-slashes answered `/v1/models/%2Fm` with a 308 to another model's URL and an HTML body).
+Bad input is an answer, never a 500 (tests/unit/proxy/test_bad_input.py): only the decoded path,
+the method and the query are read (never the `Host`), a query is decoded as a form with bad
+bytes replaced, and nothing is redirected (a doubled slash is part of the path: `/v1/models/%2Fm`
+is the model `/m`).
+
+A plain ASGI app of a few routes, not a framework: it answers what the QuartTrio app it replaced
+answered (same statuses, headers and JSON bytes), and a replica starts 0.5 s of CPU faster
+without Quart, Werkzeug and Jinja2 to import (docs/decisions.md, H2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import urllib.parse
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
-from quart import Response, request
-from quart.wrappers import BaseRequestWebsocket
-from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
-from werkzeug.routing import MapAdapter, PathConverter
 
-from stargate.asgi import visible_query
+from stargate.asgi import answer_lifespan, visible_query
 from stargate.config import ListenAddress, ServeConfig
 from stargate.readiness import Readiness
 from stargate.routing import RoutingState, RoutingTargetKey
 
-__all__ = ["ListenerAddresses", "create_admin_app", "debug_state_config", "replica_admin_app"]
+__all__ = [
+    "AdminApp",
+    "Answer",
+    "ListenerAddresses",
+    "create_admin_app",
+    "debug_state_config",
+    "replica_admin_app",
+]
 
 
 class ListenerAddresses(Protocol):
@@ -81,7 +88,7 @@ def replica_admin_app(
     *,
     bound: Callable[[], ListenerAddresses | None],
     advertise_addr: Callable[[], str | None],
-) -> QuartTrio:
+) -> AdminApp:
     """The admin app of a replica run with `config`. `bound` and `advertise_addr` are read at
     each `/debug/state`: the listeners bind, and the publisher is built, after the app."""
     return create_admin_app(
@@ -107,33 +114,19 @@ def create_admin_app(
     debug_config: Callable[[], Mapping[str, Any]] = dict,
     accept_openai_requests: bool = False,
     debug_endpoints: bool = True,
-) -> QuartTrio:
-    """Build the QuartTrio app for one replica.
+) -> AdminApp:
+    """Build the admin app for one replica.
 
     `debug_config` supplies the `config` object of `/debug/state` (it includes addresses known only
     once the listeners are bound); without `debug_endpoints` (`--no-debug-endpoints`) the route
-    does not exist, so it answers 404 like any unknown path. `RESPONSE_TIMEOUT` is disabled:
-    Quart's default (60 s) applies to the whole streamed body and would cut long completions
-    mid-stream (docs/decisions.md, H2).
+    does not exist, so it answers 404 like any unknown path.
     """
-    app = _AdminApp("stargate")
-    app.config["RESPONSE_TIMEOUT"] = None
 
-    @app.errorhandler(HTTPException)
-    async def framework_error(error: HTTPException) -> Response:
-        """404 and 405 as the Rust replica answers them: empty, with `allow` on a 405."""
-        response = Response(b"", status=error.code or 500, mimetype="text/plain")
-        if isinstance(error, MethodNotAllowed) and error.valid_methods:
-            response.headers["allow"] = ", ".join(error.valid_methods)
-        return response
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
+    def healthz(query: bytes) -> Answer:
         """Liveness: the process answers. Nothing else is checked, on purpose."""
-        return Response(b"", status=200, mimetype="text/plain")
+        return _EMPTY_200
 
-    @app.get("/readyz")
-    async def readyz() -> tuple[dict[str, Any], int]:
+    def readyz(query: bytes) -> Answer:
         """Readiness: 200 once warmup is over, the replica is not draining and its TLS
         certificate (if any) has not expired, else 503.
 
@@ -150,57 +143,61 @@ def create_admin_app(
             "sampled_backend_count": state.sampled_backend_count,
             "reason": state.reason,  # why not ready (an expired TLS certificate: docs/tls.md)
         }
-        return body, 200 if state.ready else 503
+        return _json(body, 200 if state.ready else 503)
 
-    @app.get("/v1/models")
-    async def list_models() -> Response | tuple[dict[str, Any], int]:
+    def list_models(query: bytes) -> Answer:
         """Unkeyed models with an active backend (the HTTP mirror of ListModels,
         docs/control-plane.md, ListModels).
 
         A hint, not a promise: a listed model may be gone by the next request.
         """
-        model_ids = [value.strip() for value in request.args.getlist("model_ids")]
+        model_ids = [value.strip() for value in _query_values(query, "model_ids")]
         if any(not value for value in model_ids):
-            return Response(b"", status=400, mimetype="text/plain")
+            return Answer(400)
         listed = routing.list_models(None, model_ids or None)
         if not accept_openai_requests:
-            return {"model_ids": listed}, 200
-        return {
-            "object": "list",
-            "data": [_openai_model(routing, model) for model in listed],
-            "model_ids": listed,
-        }, 200
-
-    if accept_openai_requests:
-
-        @app.get("/v1/models/<model_id:model_id>")
-        async def retrieve_model(model_id: str) -> tuple[dict[str, Any], int]:
-            """One model, as OpenAI's `models.retrieve()` reads it, or OpenAI's 404."""
-            if routing.list_models(None, [model_id]):
-                return _openai_model(routing, model_id), 200
-            error = {
-                "message": f"the model {model_id!r} does not exist or no backend serves it",
-                "type": "invalid_request_error",
-                "param": "model",
-                "code": "model_not_found",
+            return _json({"model_ids": listed})
+        return _json(
+            {
+                "object": "list",
+                "data": [_openai_model(routing, model) for model in listed],
+                "model_ids": listed,
             }
-            return {"error": error}, 404
+        )
 
+    def retrieve_model(model_id: str) -> Answer:
+        """One model, as OpenAI's `models.retrieve()` reads it, or OpenAI's 404."""
+        if routing.list_models(None, [model_id]):
+            return _json(_openai_model(routing, model_id))
+        error = {
+            "message": f"the model {model_id!r} does not exist or no backend serves it",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        return _json({"error": error}, 404)
+
+    def debug_state(query: bytes) -> Answer:
+        """Operator view: effective listener config and every active model id (no secrets)."""
+        return _json(
+            {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
+        )
+
+    def debug_routing(query: bytes) -> Answer:
+        """Operator view: every routable target's clusters and backends with the stats the
+        load balancers see (pending reservations applied; docs/pylon-data-path.md). Backends
+        by id only: like /debug/state it shows no backend URL."""
+        return _json({"targets": [_target_view(routing, target) for target in routing.targets()]})
+
+    routes: dict[str, Callable[[bytes], Answer]] = {
+        "/healthz": healthz,
+        "/readyz": readyz,
+        "/v1/models": list_models,
+    }
     if debug_endpoints:
-
-        @app.get("/debug/state")
-        async def debug_state() -> dict[str, Any]:
-            """Operator view: effective listener config and every active model id (no secrets)."""
-            return {"config": dict(debug_config()), "active_model_ids": routing.active_model_ids()}
-
-        @app.get("/debug/routing")
-        async def debug_routing() -> dict[str, Any]:
-            """Operator view: every routable target's clusters and backends with the stats the
-            load balancers see (pending reservations applied; docs/pylon-data-path.md). Backends
-            by id only: like /debug/state it shows no backend URL."""
-            return {"targets": [_target_view(routing, target) for target in routing.targets()]}
-
-    return app
+        routes["/debug/state"] = debug_state
+        routes["/debug/routing"] = debug_routing
+    return AdminApp(routes, retrieve_model if accept_openai_requests else None)
 
 
 def _target_view(routing: RoutingState, target: RoutingTargetKey) -> dict[str, Any]:
@@ -229,59 +226,93 @@ def _target_view(routing: RoutingState, target: RoutingTargetKey) -> dict[str, A
     }
 
 
-class _ModelIdConverter(PathConverter):
-    """A model id: the rest of the path, slashes included, even a leading one (`/v1/models/%2Fm`
-    is the id `/m`, which an OpenAI SDK sends for it; Werkzeug's `path` refuses a leading slash,
-    so that was a 404 without the model's error document)."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One admin answer: a status and a body (`content_type` labels a non-empty body)."""
 
-    part_isolating = False  # Werkzeug infers it from a `/` in `regex`; it spans segments
-    regex = ".+"
+    status: int
+    body: bytes = b""
+    content_type: bytes = b"text/plain; charset=utf-8"
+    allow: bytes | None = None
 
 
-class _AdminApp(QuartTrio):
-    """QuartTrio with the edges of the request target made answers (module docstring)."""
+_EMPTY_200 = Answer(200)
+_ALLOW = b"GET, HEAD, OPTIONS"
+MODEL_PREFIX = "/v1/models/"
 
-    def __init__(self, import_name: str) -> None:
-        super().__init__(import_name)
-        # No redirects, before any rule exists (rules take the map's setting when added): no
-        # merging of doubled slashes, and no rule ends with `/`, so `strict_slashes` redirects
-        # nothing either (turning it off would serve `/healthz/` as `/healthz`, not a 404).
-        self.url_map.merge_slashes = False
-        self.url_map.converters["model_id"] = _ModelIdConverter
+
+def _json(body: Any, status: int = 200) -> Answer:
+    """JSON as the admin app always wrote it: compact, keys sorted, ASCII, newline-terminated."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")) + "\n"
+    return Answer(status, text.encode(), b"application/json")
+
+
+def _query_values(query: bytes, name: str) -> list[str]:
+    """Every value of `name` in a query string, decoded as a form (`+` is a space, a bad escape
+    or bad UTF-8 is replaced, never an error)."""
+    pairs = urllib.parse.parse_qsl(
+        visible_query(query).decode("ascii"),  # raw bytes (HTTP/2 allows any) percent-encoded
+        keep_blank_values=True,
+        encoding="utf-8",
+        errors="replace",
+    )
+    return [value for key, value in pairs if key == name]
+
+
+class AdminApp:
+    """The admin routes as a plain ASGI app: exact paths, plus `/v1/models/{id}` where OpenAI
+    requests are accepted (the id is the rest of the path, slashes and a leading one included:
+    `/v1/models/%2Fm` is the id `/m`, as an OpenAI SDK sends it).
+
+    Every route answers GET and HEAD; OPTIONS is an empty 200 with `allow`, any
+    other method an empty 405 with `allow`; an unknown path (a trailing slash is another path,
+    nothing is redirected or merged) an empty 404. Bodies are never HTML. Paths are matched as
+    the server decoded them, and nothing of the request but its path, method and query is read:
+    not the `Host`, not the body.
+    """
+
+    def __init__(
+        self,
+        routes: Mapping[str, Callable[[bytes], Answer]],
+        model: Callable[[str], Answer] | None,
+    ) -> None:
+        self._routes = dict(routes)
+        self._model = model
 
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
-        if scope["type"] == "http":
-            query = scope["query_string"]
-            if (encoded := visible_query(query)) is not query:
-                scope = {**scope, "query_string": encoded}
-        await super().__call__(scope, receive, send)
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":  # a websocket: no route takes one
+            await send({"type": "websocket.close", "code": 1000, "reason": ""})
+            return
+        answer = self._answer(scope["method"], scope["path"], scope["query_string"])
+        headers = [(b"content-type", answer.content_type)]
+        headers.append((b"content-length", str(len(answer.body)).encode()))
+        if answer.allow is not None:
+            headers.append((b"allow", answer.allow))
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        # A HEAD answer's body is dropped by the server, which keeps its `content-length`.
+        await send({"type": "http.response.body", "body": answer.body, "more_body": False})
 
-    def create_url_adapter(self, request: BaseRequestWebsocket | None) -> MapAdapter | None:
-        """Bound without the request's `Host`: the rules match paths only (no host matching, no
-        subdomains, no external URLs), and Werkzeug's IDNA encoding of the host raised `BadHost`
-        (a label over 63 characters, an empty label) before any error handler could answer."""
-        if request is None:
-            return super().create_url_adapter(None)
-        return self.url_map.bind(
-            "localhost",
-            request.root_path,
-            url_scheme=request.scheme,
-            default_method=request.method,
-            path_info=request.path,
-            query_args=request.query_string.decode("latin-1"),
-        )
-
-    async def make_default_options_response(self, *context: Any) -> Response:
-        """Quart's automatic `OPTIONS` answer (an empty 200 with `allow`), as `text/plain`: its
-        default is `text/html` (docs/clients.md, "Paths": never HTML).
-
-        `context`: Quart 0.23 (the line pip picks on Python 3.13) passes the request context;
-        0.22 (Python 3.11 and 3.12) passes nothing. Both are handed on as they came."""
-        response = await super().make_default_options_response(*context)
-        response.mimetype = "text/plain"
-        return response
+    def _answer(self, method: str, path: str, query: bytes) -> Answer:
+        path = "/" + path.lstrip("/")  # leading slashes are one, as Werkzeug matched them
+        route = self._routes.get(path)
+        model_id = None
+        if route is None and self._model is not None and path.startswith(MODEL_PREFIX):
+            model_id = path[len(MODEL_PREFIX) :] or None
+        if route is None and model_id is None:
+            return Answer(404)
+        if method == "OPTIONS":
+            return Answer(200, allow=_ALLOW)
+        if method not in ("GET", "HEAD"):
+            return Answer(405, allow=_ALLOW)
+        if route is not None:
+            return route(query)
+        assert self._model is not None and model_id is not None
+        return self._model(model_id)
 
 
 def _openai_model(routing: RoutingState, model_id: str) -> dict[str, Any]:

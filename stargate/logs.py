@@ -39,9 +39,6 @@ request or response headers, which carry bearer tokens (a Pylon's registration t
 * `grpc`: grpcio's Python side: DEBUG/INFO detail of client calls (a failed request iterator's
   traceback, channel set-up); the Pylon's and the worker-auth client's calls carry a bearer token
   in their metadata. Its errors (WARNING and up) still show.
-* `quart`: Quart logs through the app's logger (named after the app: our admin app is `stargate`,
-  so that one follows `--log-level`, and says only a failing request's method and path); the
-  `quart` namespace is clamped for anything logged under it.
 
 Our own loggers (`stargate.*`) and Hypercorn's error log (`hypercorn.error`: start-up lines and
 failures, no headers) follow `--log-level`. Our own code never logs a header value or a token.
@@ -82,7 +79,6 @@ CLAMPED_LOGGERS: Final = (
     "httpx",
     "httpcore",
     "grpc",
-    "quart",
 )
 
 # Attributes every LogRecord has (and the two `Formatter.format` adds, and 3.12's taskName):

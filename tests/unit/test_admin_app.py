@@ -1,22 +1,75 @@
-"""The probes and Quart settings, through Quart's in-memory test client."""
+"""The admin app (stargate/admin_app.py) through a minimal in-memory ASGI client: probes, model
+listing, debug views and the edges of the request target."""
 
 from __future__ import annotations
 
-import trio
-from quart import Response
-from trio.testing import MockClock
+import json
+import urllib.parse
+from typing import Any
 
-from stargate.admin_app import create_admin_app, replica_admin_app
+from stargate.admin_app import AdminApp, create_admin_app, replica_admin_app
 from stargate.config import DiscoveryConfig, ListenAddress, ProxyConfig, ServeConfig, WarmupConfig
 from stargate.readiness import Readiness
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.serving import BoundAddresses
 
 
+class _Answer:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status_code = status
+        self.headers = headers
+        self.body = body
+        self.mimetype = headers.get("content-type", "").split(";")[0]
+
+    async def get_json(self) -> Any:
+        assert self.mimetype == "application/json", self.headers
+        return json.loads(self.body)
+
+    async def get_data(self) -> bytes:
+        return self.body
+
+
+class _Client:
+    """One request at a time through the app, as Hypercorn would hand it over (the path
+    percent-decoded, the query as sent)."""
+
+    def __init__(self, app: AdminApp) -> None:
+        self._app = app
+
+    async def request(self, method: str, target: str) -> _Answer:
+        raw_path, _, query = target.partition("?")
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": urllib.parse.unquote(raw_path),
+            "raw_path": raw_path.encode(),
+            "query_string": query.encode(),
+            "headers": [(b"host", b"replica")],
+        }
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await self._app(scope, receive, send)  # type: ignore[arg-type]
+        headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+        body = b"".join(m.get("body", b"") for m in sent[1:])
+        return _Answer(sent[0]["status"], headers, body)
+
+    async def get(self, target: str) -> _Answer:
+        return await self.request("GET", target)
+
+    async def options(self, target: str) -> _Answer:
+        return await self.request("OPTIONS", target)
+
+
 async def test_healthz_is_always_200_even_while_warming_and_draining() -> None:
     readiness = Readiness(WarmupConfig(warmup_ms=60_000))
     app = create_admin_app(readiness, RoutingState(), stargate_id="r1")
-    client = app.test_client()
+    client = _Client(app)
     assert (await client.get("/healthz")).status_code == 200
     readiness.lifecycle.begin_draining()
     assert (await client.get("/healthz")).status_code == 200
@@ -26,7 +79,7 @@ async def test_readyz_is_503_while_warming_and_explains_why() -> None:
     app = create_admin_app(
         Readiness(WarmupConfig(warmup_ms=60_000)), RoutingState(), stargate_id="r1"
     )
-    response = await app.test_client().get("/readyz")
+    response = await _Client(app).get("/readyz")
     assert response.status_code == 503
     body = await response.get_json()
     assert body["phase"] == "warming"
@@ -36,7 +89,7 @@ async def test_readyz_is_503_while_warming_and_explains_why() -> None:
 
 async def test_readyz_is_200_when_warm_and_503_once_draining() -> None:
     readiness = Readiness(WarmupConfig(warmup_ms=0))
-    client = create_admin_app(readiness, RoutingState(), stargate_id="r1").test_client()
+    client = _Client(create_admin_app(readiness, RoutingState(), stargate_id="r1"))
     response = await client.get("/readyz")
     assert response.status_code == 200
     assert (await response.get_json())["promotion_reason"] == "disabled"
@@ -44,29 +97,6 @@ async def test_readyz_is_200_when_warm_and_503_once_draining() -> None:
     response = await client.get("/readyz")
     assert response.status_code == 503
     assert (await response.get_json())["phase"] == "draining"
-
-
-async def test_long_streams_are_not_cut_by_quarts_response_timeout(
-    autojump_clock: MockClock,
-) -> None:
-    """Quart's default RESPONSE_TIMEOUT (60 s) would cut this 150 s stream (docs/decisions.md,
-    H2)."""
-    app = create_admin_app(Readiness(WarmupConfig(warmup_ms=0)), RoutingState(), stargate_id="r1")
-
-    @app.get("/slow-stream")
-    async def slow_stream() -> Response:
-        async def chunks():  # type: ignore[no-untyped-def]
-            for index in range(5):
-                await trio.sleep(30)
-                yield f"chunk {index}\n".encode()
-
-        return Response(chunks(), mimetype="text/plain")
-
-    start = trio.current_time()
-    response = await app.test_client().get("/slow-stream")
-    body = await response.get_data()
-    assert body == b"".join(f"chunk {i}\n".encode() for i in range(5))
-    assert trio.current_time() - start == 150.0
 
 
 def _routing_with(models: dict[str | None, list[str]]) -> RoutingState:
@@ -82,7 +112,7 @@ def _routing_with(models: dict[str | None, list[str]]) -> RoutingState:
 
 async def test_v1_models_lists_unkeyed_active_models_sorted() -> None:
     routing = _routing_with({None: ["b", "a"], "tenant": ["secret"]})
-    client = create_admin_app(Readiness(WarmupConfig(0)), routing, stargate_id="r").test_client()
+    client = _Client(create_admin_app(Readiness(WarmupConfig(0)), routing, stargate_id="r"))
     response = await client.get("/v1/models")
     assert response.status_code == 200
     assert await response.get_json() == {"model_ids": ["a", "b"]}
@@ -91,9 +121,7 @@ async def test_v1_models_lists_unkeyed_active_models_sorted() -> None:
 
 
 async def test_v1_models_blank_filter_is_400_with_empty_body() -> None:
-    client = create_admin_app(
-        Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"
-    ).test_client()
+    client = _Client(create_admin_app(Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"))
     response = await client.get("/v1/models?model_ids=a&model_ids=%20")
     assert response.status_code == 400
     assert await response.get_data() == b""
@@ -107,7 +135,7 @@ async def test_debug_state_shows_config_and_models_across_routing_keys() -> None
         stargate_id="r",
         debug_config=lambda: {"stargate_id": "r", "grpc_listen_addr": "127.0.0.1:1"},
     )
-    body = await (await app.test_client().get("/debug/state")).get_json()
+    body = await (await _Client(app).get("/debug/state")).get_json()
     assert body == {
         "config": {"stargate_id": "r", "grpc_listen_addr": "127.0.0.1:1"},
         "active_model_ids": ["a", "b"],
@@ -124,7 +152,7 @@ async def test_debug_state_is_404_like_any_unknown_path_without_debug_endpoints(
         debug_config=lambda: {"stargate_id": "r"},
         debug_endpoints=False,
     )
-    client = app.test_client()
+    client = _Client(app)
     for path in ("/debug/state", "/no-such-path"):
         response = await client.get(path)
         assert response.status_code == 404
@@ -144,7 +172,7 @@ async def test_paths_are_matched_as_sent_never_redirected() -> None:
         stargate_id="r",
         accept_openai_requests=True,
     )
-    client = app.test_client()
+    client = _Client(app)
     for path in ("/v1//models", "/healthz/", "/v1/models/"):
         response = await client.get(path)
         assert (response.status_code, await response.get_data()) == (404, b""), path
@@ -159,9 +187,7 @@ async def test_paths_are_matched_as_sent_never_redirected() -> None:
 
 
 async def test_options_is_an_empty_text_plain_200_with_allow() -> None:
-    client = create_admin_app(
-        Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"
-    ).test_client()
+    client = _Client(create_admin_app(Readiness(WarmupConfig(0)), RoutingState(), stargate_id="r"))
     response = await client.options("/healthz")
     assert (response.status_code, await response.get_data()) == (200, b"")
     assert response.mimetype == "text/plain"
@@ -186,7 +212,7 @@ async def test_a_replicas_debug_state_reads_its_addresses_at_each_request() -> N
         bound=lambda: bound,
         advertise_addr=lambda: advertised,
     )
-    client = app.test_client()
+    client = _Client(app)
     before = (await (await client.get("/debug/state")).get_json())["config"]
     assert (before["stargate_id"], before["stargate_discovery_dns_name"]) == (
         "r9",

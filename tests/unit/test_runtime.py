@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from quart import Response
 
 from stargate import serving
 from stargate.activator.wiring import lease_owner_url
@@ -58,14 +57,23 @@ def _config(**overrides: Any) -> ServeConfig:
 
 
 def _add_slow_stream(replica: Replica, gap: float = CHUNK_GAP) -> None:
-    @replica.admin_app.get("/slow-stream")
-    async def slow_stream() -> Response:
-        async def chunks() -> AsyncIterator[bytes]:
-            for index in range(CHUNKS):
-                yield f"chunk {index}\n".encode()
-                await trio.sleep(gap)
+    """`GET /slow-stream` in front of the replica's admin app: CHUNKS chunks, `gap` apart (the
+    proxy hands every other path to the admin app, read when the replica starts serving)."""
+    admin = replica.admin_app
 
-        return Response(chunks(), mimetype="text/plain")
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/slow-stream":
+            await admin(scope, receive, send)
+            return
+        headers = [(b"content-type", b"text/plain")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for index in range(CHUNKS):
+            chunk = f"chunk {index}\n".encode()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await trio.sleep(gap)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    replica.admin_app = app  # type: ignore[assignment]
 
 
 async def _start(
