@@ -163,7 +163,10 @@ def test_requests_go_through_the_pylon_and_its_measurements_reach_the_replica(
     after a few streams, the live queue while requests wait in the engine's queue, and the queue
     back at 0 once they are done."""
     replica = fleet.replica()
-    engine = fleet.engine(*FAST, "--inter-token-ms", "40", "--tokens", "10")
+    # 1 s per stream: the six concurrent streams below overlap for most of a second even when
+    # their threads start hundreds of ms apart (with 0.4 s streams on two loaded cores, the
+    # heartbeats once saw at most two in flight).
+    engine = fleet.engine(*FAST, "--inter-token-ms", "40", "--tokens", "25")
     pylon = fleet.pylon(engine.url, replica)
     wait_routable(replica, 1)
     registered = replica.http.get("/debug/routing").json()
