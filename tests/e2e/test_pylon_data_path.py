@@ -532,7 +532,9 @@ def test_bad_input_to_the_pylon_gets_its_documented_answer_and_loses_nothing(fle
 def test_sigterm_closes_the_registration_and_finishes_the_streams_in_flight(fleet: Fleet) -> None:
     replica = fleet.replica()
     engine = fleet.engine("--inter-token-ms", "100", "--tokens", "20")
-    pylon = fleet.pylon(engine.url, replica)
+    # No canaries: the engine's one request in flight must be the client's stream (a periodic
+    # canary, 2 s on this engine, once stood in for it and SIGTERM came before the stream did).
+    pylon = fleet.pylon(engine.url, replica, "--canary-interval-ms", "0")
     wait_routable(replica, 1)
     results: list[tuple[int, str, str]] = []
     with httpx.Client(base_url=f"http://127.0.0.1:{replica.ports.http}", timeout=30) as client:
