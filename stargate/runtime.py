@@ -71,14 +71,14 @@ from stargate.serving import (
     startup_failures,
 )
 from stargate.shutdown import Shutdown, ShutdownSteps
-from stargate.tls import ServedIdentity
 from stargate.tracing import start_tracing
 from stargate.upstream import ConnectionPool, ConnectionPools, upstream_ca_file, upstream_config
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
 
-if TYPE_CHECKING:  # loaded only with --otel-endpoint (`start_tracing`, docs/tracing.md)
-    from stargate.tracing.setup import Tracing
+if TYPE_CHECKING:  # parts loaded only when configured, to keep the start-up of the rest short
+    from stargate.tls import ServedIdentity  # with TLS (cryptography: ~50 ms to import)
+    from stargate.tracing.setup import Tracing  # with --otel-endpoint (docs/tracing.md)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,8 @@ class Replica:
         # start-up here, before anything binds.
         self.tls: ServedIdentity | None = None
         if config.tls is not None:
+            from stargate.tls import ServedIdentity
+
             self.tls = ServedIdentity.load(
                 config.tls,
                 metrics=TlsMetrics.create(self.registry, config.metrics_prefix),
