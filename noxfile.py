@@ -79,6 +79,7 @@ def protos(session: nox.Session) -> None:
 
 
 BENCH_PARTS = {
+    "tunnels",
     "proxy",
     "stream",
     "registration",

@@ -1,15 +1,17 @@
 """The benchmark suite's dispatcher: `python -m benchmarks [PART ...] [options]`, which is what
 `nox -s bench -- [PART ...] [options]` runs (`nox -s bench-3.13` on Python 3.13).
 
-Without PART it runs the default suite in order: proxy, stream, registration, readiness,
-activator, affinity (each its own module in this package). `routing` (benchmarks/routing.py:
-routing by real load through real Pylons, and the Pylon hop's cost; about 5 minutes) and
-`capacity` (benchmarks/capacity.py) run only when named. Each part starts its own processes on
-loopback, stops every one of them on the way out (errors, SIGTERM and Ctrl-C included), keeps to
-a time budget of its own, and writes `bench-results/<part>.md` (a Markdown table headed with the
-date, the machine and the Python version) and `<part>.json`, plus PNG charts where they mean
-something; `bench-results/summary.md` then gathers every part's table found there. A part that
-fails is reported and the suite goes on to the next one; the exit status is 1 if any part failed.
+Without PART it runs the default suite in order: proxy, stream, registration, readiness, activator,
+affinity (each its own module in this package). `routing` (benchmarks/routing.py: routing by real
+load through real Pylons, and the Pylon hop's cost; about 5 minutes), `tunnels`
+(benchmarks/tunnels.py: the Pylon hop over the QUIC tunnels, raw-quic and http3, against HTTP;
+about 3 minutes) and `capacity` (benchmarks/capacity.py) run only when named. Each part starts its
+own processes on loopback, stops every one of them on the way out (errors, SIGTERM and Ctrl-C
+included), keeps to a time budget of its own, and writes `bench-results/<part>.md` (a Markdown
+table headed with the date, the machine and the Python version) and `<part>.json`, plus PNG charts
+where they mean something; `bench-results/summary.md` then gathers every part's table found there.
+A part that fails is reported and the suite goes on to the next one; the exit status is 1 if any
+part failed.
 
 `--quick` is a smoke run of every part (the whole default suite in under 3 minutes); the full
 default suite takes about 13 minutes on a 2-core machine. `--profile` records a py-spy flame graph
@@ -41,7 +43,7 @@ from benchmarks.common import (
 )
 
 DEFAULT_PARTS = ("proxy", "stream", "registration", "readiness", "activator", "affinity")
-PARTS = (*DEFAULT_PARTS, "routing", "capacity")
+PARTS = (*DEFAULT_PARTS, "routing", "tunnels", "capacity")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PART",
         help=(
             f"parts to run, in this order: {', '.join(PARTS)} "
-            "(default: all but routing and capacity)"
+            "(default: all but routing, tunnels and capacity)"
         ),
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of every part")

@@ -773,6 +773,7 @@ SUMMARY_ORDER = (
     "affinity",
     "routing",
     "capacity",
+    "tunnels",
 )
 
 

@@ -25,10 +25,12 @@ from stargate.config import (
     DEFAULT_METRICS_LISTEN_ADDR,
     METRICS_FLAGS_CONFLICT,
     ConfigError,
+    Connectivity,
     DemoConfig,
     ListenAddress,
     ServeConfig,
     TlsConfig,
+    parse_tunnel_protocol,
     validate_metrics_prefix,
 )
 from stargate.logs import configure_logging
@@ -37,15 +39,6 @@ from stargate.settings import Derived, Setting, Settings, SettingsCommand, trimm
 __all__ = ["DEMO", "SERVE", "main"]
 
 READABLE_FILE = click.Path(exists=True, dir_okay=False, readable=True, path_type=Path)
-
-
-def _refuse_reverse(value: str) -> str:
-    if value == "reverse":
-        raise ValueError(
-            "reverse tunnels are not offered by this replica: backends register an http:// or "
-            "https:// URL and are reached directly over HTTP"
-        )
-    return value
 
 
 def listener_settings(env_prefix: str, host: str) -> tuple[Setting, ...]:
@@ -362,12 +355,110 @@ SERVE = Settings(
     Setting(
         "--backend-connectivity",
         env="STARGATE_BACKEND_CONNECTIVITY",
-        to=None,
+        to="tunnels.connectivity",
         type=click.Choice(["direct", "reverse"]),
         default="direct",
-        parse=_refuse_reverse,
-        help="How backends are reached. Only direct (HTTP) is offered; reverse is refused.",
+        parse=Connectivity,
+        section="Tunnels",
+        help="direct: the replica dials quic:// backends (and reaches http(s):// ones over "
+        "HTTP). reverse: also listen on --reverse-tunnel-listen-addr (UDP) for Pylons that dial "
+        "in (registrations with reverse_tunnel). Must match the Pylons.",
     ),
+    Setting(
+        "--tunnel-protocol",
+        env="STARGATE_TUNNEL_PROTOCOL",
+        to="tunnels.protocol",
+        default="raw-quic",
+        parse=parse_tunnel_protocol,
+        section="Tunnels",
+        metavar="raw-quic|http3",
+        help="Stream protocol inside QUIC tunnels: raw-quic (Cap'n Proto messages, no ALPN) or "
+        "http3 (alias h3; ALPN h3). webtransport is refused for now. Must match the Pylons.",
+    ),
+    Setting(
+        "--direct-quic-connections",
+        env="STARGATE_DIRECT_QUIC_CONNECTIONS",
+        to="tunnels.direct_connections",
+        type=POSITIVE_INT,
+        section="Tunnels",
+        help="QUIC connections dialed per quic:// backend (all must succeed; requests round-robin "
+        "over the healthy ones).",
+    ),
+    Setting(
+        "--reverse-tunnel-listen-addr",
+        env="STARGATE_REVERSE_TUNNEL_LISTEN_ADDR",
+        to="tunnels.reverse_listen_addr",
+        parse=trimmed,
+        section="Tunnels",
+        metavar="IP:PORT",
+        help="UDP address of the reverse tunnel listener (needs --backend-connectivity reverse).",
+    ),
+    Setting(
+        "--reverse-tunnel-pylon-dial-addr",
+        env="STARGATE_REVERSE_TUNNEL_PYLON_DIAL_ADDR",
+        to="tunnels.reverse_pylon_dial_addr",
+        parse=trimmed,
+        section="Tunnels",
+        metavar="HOST:PORT",
+        help="Address Pylons dial for the reverse tunnel (e.g. a UDP load balancer), sent in "
+        "every ack; default: the advertised host and the bound UDP port.",
+    ),
+    Setting(
+        "--reverse-tunnel-connect-timeout-ms",
+        env="STARGATE_REVERSE_TUNNEL_CONNECT_TIMEOUT_MS",
+        to="tunnels.reverse_connect_timeout_ms",
+        type=NON_NEGATIVE_INT,
+        section="Tunnels",
+        help="How long a registration update waits for its Pylon's reverse tunnel after the "
+        "first ack told it where to dial; without one its models are INACTIVE.",
+    ),
+    Setting(
+        "--quic-connect-timeout-ms",
+        env="STARGATE_QUIC_CONNECT_TIMEOUT_MS",
+        to="tunnels.connect_timeout_ms",
+        type=POSITIVE_INT,
+        section="Tunnels",
+        help="Bound of one QUIC dial (and tunnel set-up) to a quic:// backend; also bounds a "
+        "reverse handshake and the delivery of its refusal.",
+    ),
+    Setting(
+        "--quic-request-timeout-ms",
+        env="STARGATE_QUIC_REQUEST_TIMEOUT_MS",
+        to="tunnels.request_timeout_ms",
+        type=POSITIVE_INT,
+        section="Tunnels",
+        help="One budget per tunneled attempt, from opening its stream to the response head "
+        "(also bounds the /health probe through the tunnel); past it the attempt is a 502.",
+    ),
+    Setting(
+        "--quic-insecure",
+        env="STARGATE_QUIC_INSECURE",
+        to="tunnels.insecure",
+        kind="switch",
+        section="Tunnels",
+        help="Do not verify the certificates of quic:// backends. Without it they are checked "
+        "against --quic-tls-cert-path, and quic:// registrations are refused when it is not set.",
+    ),
+    Setting(
+        "--quic-tls-cert-path",
+        env="STARGATE_QUIC_TLS_CERT_PATH",
+        to="tunnels.cert_path",
+        type=READABLE_FILE,
+        section="Tunnels",
+        help="QUIC certificate chain (PEM): the reverse tunnel listener's identity (with "
+        "--quic-tls-key-path; a generated self-signed one, SANs localhost and stargate, without "
+        "it), and the certificates trusted when dialing quic:// backends. Re-read every "
+        "--tls-reload-interval-ms. (The Rust replica's TLS pair; ours is the HTTP one.)",
+    ),
+    Setting(
+        "--quic-tls-key-path",
+        env="STARGATE_QUIC_TLS_KEY_PATH",
+        to="tunnels.key_path",
+        type=READABLE_FILE,
+        section="Tunnels",
+        help="Private key (PEM) of --quic-tls-cert-path.",
+    ),
+    Derived("tunnels.reload_interval_ms", lambda values: values["tls_reload_interval_ms"]),
     Setting(
         "--proxy-max-connect-retries",
         env="STARGATE_PROXY_MAX_CONNECT_RETRIES",
@@ -674,7 +765,7 @@ SERVE = Settings(
     *log_settings("STARGATE_LOG_LEVEL", "STARGATE_LOG_FORMAT"),
     # Listed in --help under these headings, after the other options (README: TLS, Worker
     # authentication, Tracing, Model pools).
-    sections=("TLS", "Worker authentication", "Tracing", "Model pools"),
+    sections=("Tunnels", "TLS", "Worker authentication", "Tracing", "Model pools"),
     # Both paths or neither; one alone is a usage error naming the other.
     factories={"tls": TlsConfig.of},
 )
@@ -698,6 +789,21 @@ DEMO = Settings(
     *listener_settings("STARGATE_DEMO", "127.0.0.1"),
     *metrics_listener_settings("STARGATE_DEMO", "127.0.0.1"),
     *warmup_settings("STARGATE_DEMO"),
+    Setting(
+        "--tunnel",
+        env="STARGATE_DEMO_TUNNEL",
+        to="tunnel",
+        type=click.Choice(["http", "raw-quic", "http3"]),
+        help="How the replica reaches the Pylons: http, or a QUIC tunnel (docs/tunnels.md).",
+    ),
+    Setting(
+        "--tunnel-connectivity",
+        env="STARGATE_DEMO_TUNNEL_CONNECTIVITY",
+        to="tunnel_connectivity",
+        type=click.Choice(["direct", "reverse"]),
+        help="With --tunnel: direct (the replica dials each Pylon's UDP listener) or reverse "
+        "(each Pylon dials the replica's).",
+    ),
 )
 
 

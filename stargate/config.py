@@ -8,6 +8,7 @@ prefix) happens here, so bad input fails before anything is bound or started.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,11 @@ class DemoConfig:
     metrics_listen_addr: ListenAddress
     warmup: WarmupConfig
     engines: int = 2
+    tunnel: str = "http"
+    """How the replica reaches the Pylons: `http`, or a QUIC tunnel protocol (`raw-quic`,
+    `http3`; docs/tunnels.md)."""
+    tunnel_connectivity: str = "direct"
+    """With a tunnel: `direct` (the replica dials) or `reverse` (the Pylons dial)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,6 +463,124 @@ METRICS_FLAGS_CONFLICT = (
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# QUIC tunnels (docs/tunnels.md). The names, defaults and refusals are the Rust binaries'
+# (`--tunnel-protocol`, `--backend-connectivity`, `--direct-quic-connections`, the
+# `--reverse-tunnel-*` and `--quic-*` flags): replicas and Pylons must be given the same protocol
+# and connectivity, since nothing on the wire negotiates them but ALPN.
+
+
+class TunnelProtocol(enum.Enum):
+    RAW_QUIC = "raw-quic"
+    HTTP3 = "http3"
+
+    @property
+    def alpn(self) -> list[str] | None:
+        """raw-quic negotiates no ALPN at all; http3 negotiates `h3` (the Rust lists)."""
+        return None if self is TunnelProtocol.RAW_QUIC else ["h3"]
+
+
+class Connectivity(enum.Enum):
+    DIRECT = "direct"
+    REVERSE = "reverse"
+
+
+_ALIASES = {
+    "raw-quic": TunnelProtocol.RAW_QUIC,
+    "http3": TunnelProtocol.HTTP3,
+    "h3": TunnelProtocol.HTTP3,
+}
+_WEBTRANSPORT = ("webtransport", "web-transport", "wt")
+_LEGACY = ("custom", "custom-quic")
+
+
+def parse_tunnel_protocol(value: str) -> TunnelProtocol:
+    """`raw-quic`, `http3` (alias `h3`); WebTransport and the legacy names are refused with what
+    to use instead. The ValueError's message does not name the flag: the command line's usage
+    error does (stargate/settings.py)."""
+    name = value.strip().lower()
+    if name in _ALIASES:
+        return _ALIASES[name]
+    if name in _WEBTRANSPORT:
+        raise ConfigError(
+            "webtransport is not offered yet: use raw-quic or http3 "
+            "(on both the replicas and the Pylons)"
+        )
+    if name in _LEGACY:
+        raise ConfigError(f"{value} is a retired name: use raw-quic (the same wire format)")
+    raise ConfigError(f"must be raw-quic or http3, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TunnelConfig:
+    """A replica's tunnels: how it dials direct backends and whether it listens for reverse ones.
+
+    `cert_path`/`key_path` are the QUIC pair (`--quic-tls-cert-path`/`--quic-tls-key-path`, what
+    the Rust replica calls `--tls-cert-path`/`--tls-key-path`): the reverse listener's identity,
+    and the certificates trusted when dialing a direct backend. Without a pair the listener serves
+    a generated self-signed identity (SANs `localhost`, `stargate`), and dialing needs `insecure`.
+    Apart from the HTTP and gRPC listeners' pair (`TlsConfig`), so that verified tunnels do not
+    force TLS on the client-facing listeners, nor the reverse.
+    """
+
+    protocol: TunnelProtocol = TunnelProtocol.RAW_QUIC
+    connectivity: Connectivity = Connectivity.DIRECT
+    direct_connections: int = 1
+    reverse_listen_addr: str | None = None
+    reverse_pylon_dial_addr: str | None = None
+    reverse_connect_timeout_ms: int = 10_000
+    connect_timeout_ms: int = 2_000
+    request_timeout_ms: int = 30_000
+    insecure: bool = False
+    cert_path: Path | None = None
+    key_path: Path | None = None
+    reload_interval_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        if self.cert_path is not None and self.key_path is None and self.reverse:
+            raise ConfigError("--quic-tls-key-path is required with --quic-tls-cert-path")
+        if self.key_path is not None and self.cert_path is None:
+            raise ConfigError("--quic-tls-cert-path is required with --quic-tls-key-path")
+        if self.direct_connections <= 0:
+            raise ConfigError("--direct-quic-connections must be greater than 0")
+        if self.connectivity is Connectivity.REVERSE:
+            if not self.reverse_listen_addr:
+                raise ConfigError(
+                    "--backend-connectivity reverse requires --reverse-tunnel-listen-addr"
+                )
+        else:
+            if self.reverse_listen_addr:
+                raise ConfigError(
+                    "--reverse-tunnel-listen-addr needs --backend-connectivity reverse"
+                )
+            if self.reverse_pylon_dial_addr:
+                raise ConfigError(
+                    "--reverse-tunnel-pylon-dial-addr needs --backend-connectivity reverse"
+                )
+
+    @property
+    def reverse(self) -> bool:
+        return self.connectivity is Connectivity.REVERSE
+
+    @property
+    def can_dial(self) -> bool:
+        """Whether direct (`quic://`) backends can be dialed: their certificate is checked against
+        `--quic-tls-cert-path`, or not at all with `--quic-insecure`."""
+        return self.insecure or self.cert_path is not None
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.connect_timeout_ms / 1000
+
+    @property
+    def request_timeout(self) -> float:
+        return self.request_timeout_ms / 1000
+
+    @property
+    def reverse_connect_timeout(self) -> float:
+        return self.reverse_connect_timeout_ms / 1000
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `stargate serve` needs to run one replica.
@@ -487,6 +611,7 @@ class ServeConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     activator: ActivatorConfig = field(default_factory=ActivatorConfig)
     tls: TlsConfig | None = None
+    tunnels: TunnelConfig = TunnelConfig()
     secrets: SecretsConfig = SecretsConfig()
     tracing: TracingConfig = TracingConfig()
 

@@ -122,6 +122,7 @@ class Demo:
                 "--accept-openai-requests",
                 "--shutdown-delay-ms=0",  # no Service to leave: Ctrl-C stops at once
                 "--log-level=warning",
+                *self.tunnel_flags("replica"),
             ),
         )
         engines = [await self.start_engine(index) for index in range(config.engines)]
@@ -135,10 +136,16 @@ class Demo:
                     f"--inference-server-id=demo-pylon-{index}",
                     f"--model-name={DEMO_MODEL}",
                     "--log-level=warning",
+                    *self.tunnel_flags("pylon"),
                 ),
             )
         self.say("stargate demo")
         self.say(f"  replica      {self.base_url}  (gRPC {_local(config.listen_addr)})")
+        if config.tunnel != "http":
+            self.say(
+                f"  tunnels      {config.tunnel}, {config.tunnel_connectivity} "
+                "(self-signed QUIC identities, not verified: a demo)"
+            )
         self.say(f"  metrics      http://{_local(config.metrics_listen_addr)}/metrics")
         for index, url in enumerate(engines):
             self.say(
@@ -165,6 +172,26 @@ class Demo:
             nursery.start_soon(self.show_stats)
             await self.watch_children()
             nursery.cancel_scope.cancel()
+
+    def tunnel_flags(self, side: str) -> list[str]:
+        """The flags that put the replica and the Pylons on `--tunnel` (none for http)."""
+        config = self.config
+        if config.tunnel == "http":
+            return []
+        flags = [f"--tunnel-protocol={config.tunnel}"]
+        reverse = config.tunnel_connectivity == "reverse"
+        if side == "replica":
+            flags.append("--quic-insecure")
+            if reverse:
+                flags += [
+                    "--backend-connectivity=reverse",
+                    "--reverse-tunnel-listen-addr=127.0.0.1:0",
+                ]
+        else:
+            flags.append(f"--backend-connectivity={config.tunnel_connectivity}")
+            if reverse:
+                flags.append("--quic-insecure")
+        return flags
 
     async def show_warmup(self) -> None:
         """One live line while warming up, then the promotion."""

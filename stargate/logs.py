@@ -39,6 +39,9 @@ request or response headers, which carry bearer tokens (a Pylon's registration t
 * `grpc`: grpcio's Python side: DEBUG/INFO detail of client calls (a failed request iterator's
   traceback, channel set-up); the Pylon's and the worker-auth client's calls carry a bearer token
   in their metadata. Its errors (WARNING and up) still show.
+* `quic`: aioquic's connections (the tunnels, docs/tunnels.md): INFO per handshake (version, ALPN)
+  and DEBUG per packet; with a `secrets_log_file` it would write TLS keys (we set none). Its
+  warnings (a failed handshake: ALPN, certificate) still show.
 
 Our own loggers (`stargate.*`) and Hypercorn's error log (`hypercorn.error`: start-up lines and
 failures, no headers) follow `--log-level`. Our own code never logs a header value or a token.
@@ -79,6 +82,7 @@ CLAMPED_LOGGERS: Final = (
     "httpx",
     "httpcore",
     "grpc",
+    "quic",
 )
 
 # Attributes every LogRecord has (and the two `Formatter.format` adds, and 3.12's taskName):

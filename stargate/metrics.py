@@ -362,6 +362,33 @@ class TlsMetrics:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TunnelCounters:
+    """The Rust tunnel counters (docs/tunnels.md, "Metrics"): connections evicted from a direct
+    backend's set (`stale_connection`: none healthy before an attempt; `proxy_error`: an attempt
+    failed on it) and the hot-path re-dials that followed (`success`, `error`)."""
+
+    evictions: Counter
+    hot_path_reconnects: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, prefix: str) -> TunnelCounters:
+        return cls(
+            evictions=Counter(
+                f"{prefix}quic_connection_evictions",
+                "QUIC connections evicted from a direct backend's set, by reason.",
+                labelnames=("inference_server_id", "reason"),
+                registry=registry,
+            ),
+            hot_path_reconnects=Counter(
+                f"{prefix}quic_hot_path_reconnect",
+                "Direct backends re-dialed before an attempt, by result.",
+                labelnames=("inference_server_id", "result"),
+                registry=registry,
+            ),
+        )
+
+
 BACKEND_CONNECTION_STATES = ("idle", "in_use", "waiting")
 
 BackendConnectionRow = tuple[str, int, int, int]

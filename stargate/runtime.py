@@ -51,6 +51,7 @@ from stargate.metrics import (
     LiveFleet,
     Metrics,
     TlsMetrics,
+    TunnelCounters,
     metrics_asgi_app,
 )
 from stargate.proxy.app import ProxyApp
@@ -72,6 +73,7 @@ from stargate.serving import (
 )
 from stargate.shutdown import Shutdown, ShutdownSteps
 from stargate.tracing import start_tracing
+from stargate.tunnel.backends import TunnelBackends, TunnelMetrics
 from stargate.upstream import ConnectionPool, ConnectionPools, upstream_ca_file, upstream_config
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
@@ -123,12 +125,19 @@ class Replica:
         # TLS on the HTTP and gRPC listeners (docs/tls.md): a pair that cannot be served fails
         # start-up here, before anything binds.
         self.tls: ServedIdentity | None = None
+        # One family for both identities (HTTP/gRPC, and the QUIC tunnels' mounted pair).
+        tls_metrics = (
+            TlsMetrics.create(self.registry, config.metrics_prefix)
+            if config.tls is not None or config.tunnels.key_path is not None
+            else None
+        )
         if config.tls is not None:
             from stargate.tls import ServedIdentity
 
+            assert tls_metrics is not None
             self.tls = ServedIdentity.load(
                 config.tls,
-                metrics=TlsMetrics.create(self.registry, config.metrics_prefix),
+                metrics=tls_metrics,
                 on_served=lambda identity: self.readiness.serve_certificate(identity.not_after),
             )
         proxy, control = config.proxy, config.control_plane
@@ -164,15 +173,34 @@ class Replica:
         )
         self.activator: Activator | None = None
         self._relay: OwnerRelay | None = None  # with shared pools (proxy/owner_relay.py)
+        authenticator = registration_authenticator(config)
+        # quic:// and reverse backends (docs/tunnels.md): the QUIC machinery loads on first use.
+        self.tunnels = TunnelBackends(
+            config.tunnels,
+            authenticator.authenticate,
+            advertised_host=self._advertised_host,
+            metrics=_tunnel_metrics(
+                TunnelCounters.create(self.registry, config.metrics_prefix), tls_metrics
+            ),
+        )
+        self.forwarder.attach_tunnels(self.tunnels)
+        if config.tunnels.key_path is not None:  # a pair that cannot be served fails start-up
+            try:
+                self.tunnels.load_identity()
+            except (OSError, ValueError) as error:
+                raise StartupError(
+                    f"--quic-tls-cert-path/--quic-tls-key-path cannot be served: {error}"
+                ) from None
         self.registrations = RegistrationService(
             self.routing,
-            registration_authenticator(config),
+            authenticator,
             functools.partial(
                 http_health_probe,
                 upstream_get(self._probe_connections),
                 probe_timeout=control.health_check_timeout_ms / 1000,
             ),
             RegistrationConfig(control.idle_timeout_ms, control.max_idle_timeout_ms),
+            tunnels=self.tunnels,
         )
         self.publisher: WatchPublisher | None = None
         self.bound: BoundAddresses | None = None
@@ -199,6 +227,13 @@ class Replica:
             drain_timeout_seconds=config.shutdown_drain_timeout_seconds,
         )
         self.tracing: Tracing | None = None  # built by `run()` with --otel-endpoint
+
+    def _advertised_host(self) -> str:
+        """The host of the reverse tunnel target: the advertised gRPC address's."""
+        if self.publisher is None:
+            return "127.0.0.1"
+        host = self.publisher.config.advertise_addr.rpartition(":")[0]
+        return host.strip("[]") or "127.0.0.1"
 
     # ---- shutdown: what the parts do at each step (the sequence is stargate/shutdown.py) ---------
 
@@ -287,6 +322,7 @@ class Replica:
         if self.config.warmup.enabled:
             services.start_soon(self.readiness.run_warmup, self.routing.total_active_backend_count)
         await services.start(self.shutdown.critical, "WatchStargates publisher", publisher.run)
+        await services.start(self.tunnels.run)
         services.start_soon(self._connections.expire_idle, self.upstream.config.idle_expiry)
         services.start_soon(
             self.series_sweep.run, self._live_fleet, self._release_departed_backends
@@ -434,3 +470,20 @@ async def _main(config: ServeConfig) -> int:
 def run(config: ServeConfig) -> int:
     """Run one replica in this process until it shuts down; return the exit code."""
     return trio.run(_main, config)
+
+
+def _tunnel_metrics(counters: TunnelCounters, tls: TlsMetrics | None) -> TunnelMetrics:
+    """The tunnel's callbacks bound to its Prometheus counters; reloads of the QUIC pair count in
+    `tls_reloads_total{material_type="quic_server_identity"}`."""
+
+    def reloaded(result: str) -> None:
+        if tls is not None:
+            tls.reloads.labels(material_type="quic_server_identity", result=result).inc()
+
+    return TunnelMetrics(
+        evicted=lambda server_id, reason: counters.evictions.labels(server_id, reason).inc(),
+        reconnected=lambda server_id, result: counters.hot_path_reconnects.labels(
+            server_id, result
+        ).inc(),
+        identity_reloaded=reloaded,
+    )

@@ -1,10 +1,11 @@
 """Admission and identity rules of a registration stream, as pure functions.
 
-docs/control-plane.md, "Admission" and "Idle timeout". docs/decisions.md, D3: backends are reached
-over HTTP, so a registration's URL must be `http://` or `https://`; `quic://` (the Rust replica's
-direct transport) and reverse tunnels are refused with INVALID_ARGUMENT and a message naming what is
-supported. Host names are accepted as well as IP literals, since an HTTP client resolves them (the
-Rust IP-literal rule existed for QUIC dials).
+docs/control-plane.md, "Admission" and "Idle timeout"; the transports: docs/decisions.md, D3, and
+docs/tunnels.md. A registration is one of three kinds: `quic://IP:port` (a direct tunnel: the Rust
+rules, an IP literal and an explicit port), `http(s)://` with `reverse_tunnel` (the Pylon dials the
+replica's reverse listener, which must be configured), or `http(s)://` without it (our extension:
+the replica forwards over HTTP; host names are accepted as well as IP literals, since an HTTP
+client resolves them).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def _invalid_url(reason: str) -> GrpcError:
     return _invalid(f"invalid inference_server_url: inference_server_url {reason}")
 
 
-def validate_backend_url(url: str) -> None:
-    """Raise INVALID_ARGUMENT unless `url` is an absolute http(s) URL with a host."""
+def validate_backend_url(url: str, reverse_tunnel: bool = False) -> None:
+    """Raise INVALID_ARGUMENT unless `url` is a backend URL this replica can reach: `quic://` with
+    an IP literal and a port (direct tunnel, not with `reverse_tunnel`), or absolute http(s)."""
     if not _SCHEME.match(url):
         raise _invalid_url("must be a valid URL")
     try:
@@ -52,18 +54,20 @@ def validate_backend_url(url: str) -> None:
     except ValueError:
         raise _invalid_url("must be a valid URL") from None
     scheme = parts.scheme.lower()
-    if scheme == "quic":
-        raise _invalid_url(
-            "scheme must be http or https (quic backends are not supported: "
-            "this replica reaches backends over HTTP)"
-        )
-    if scheme not in SUPPORTED_SCHEMES:
-        raise _invalid_url("scheme must be http or https")
+    if reverse_tunnel:
+        if scheme not in SUPPORTED_SCHEMES:
+            raise _invalid_url("scheme must be http or https")
+    elif scheme != "quic" and scheme not in SUPPORTED_SCHEMES:
+        raise _invalid_url("scheme must be quic, http or https")
     if not parts.hostname:
         raise _invalid_url("must include host")
     if not _valid_host(parts.netloc):
         raise _invalid_url("must be a valid URL")
-    del port  # parsed only to reject malformed ports; http(s) have default ports
+    if scheme == "quic":
+        if ip_literal(parts.hostname) is None:
+            raise _invalid_url("host must be an IP address")
+        if port is None:
+            raise _invalid_url("must include port")
 
 
 def _valid_host(netloc: str) -> bool:
@@ -79,26 +83,32 @@ def _valid_host(netloc: str) -> bool:
     return is_host_name(host) or ip_literal(host) is not None
 
 
-def admit(message: pb.InferenceServerRegistration, routing_key: str | None) -> RegistrationIdentity:
-    """Check a stream's first message (docs/control-plane.md, Admission) and derive its identity."""
+def admit(
+    message: pb.InferenceServerRegistration,
+    routing_key: str | None,
+    reverse_listener: bool = False,
+) -> RegistrationIdentity:
+    """Check a stream's first message (docs/control-plane.md, Admission) and derive its identity.
+    `reverse_listener`: this replica listens for reverse tunnels."""
     if not message.inference_server_id:
         raise _invalid("inference_server_id is empty")
     if not message.inference_server_url:
         raise _invalid("inference_server_url is empty")
-    validate_backend_url(message.inference_server_url)
-    if message.reverse_tunnel:
+    validate_backend_url(message.inference_server_url, message.reverse_tunnel)
+    if message.reverse_tunnel and not reverse_listener:
         raise _invalid("reverse tunnel flag set but no reverse tunnel config")
     return RegistrationIdentity(
         inference_server_id=message.inference_server_id,
         cluster_id=message.cluster_id or message.inference_server_id,
         url=message.inference_server_url,
         routing_key=routing_key,
+        reverse_tunnel=message.reverse_tunnel,
     )
 
 
 def check_identity(message: pb.InferenceServerRegistration, identity: RegistrationIdentity) -> None:
     """Every message must keep the admitted identity (checked in the Rust order)."""
-    if message.reverse_tunnel:
+    if message.reverse_tunnel != identity.reverse_tunnel:
         raise _invalid("reverse tunnel flag changed")
     if message.inference_server_url != identity.url:
         raise _invalid("inference_server_url changed")

@@ -39,6 +39,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -56,6 +57,10 @@ from stargate.control_plane.probe_clock import ProbeClock
 from stargate.grpc_asgi import GrpcError, GrpcStatus, RequestStream, RpcContext
 from stargate.protocol import stargate_pb2 as pb
 from stargate.routing import AlreadyRegistered, Registration, RoutingState
+from stargate.tunnel.kinds import is_tunnel
+
+if TYPE_CHECKING:
+    from stargate.tunnel.backends import TunnelBackends
 
 __all__ = ["RegistrationConfig", "RegistrationService"]
 
@@ -83,11 +88,13 @@ class RegistrationService:
         authenticator: Authenticator,
         probe: HealthProbe,
         config: RegistrationConfig = RegistrationConfig(),
+        tunnels: TunnelBackends | None = None,
     ) -> None:
         self._routing = routing
         self._authenticator = authenticator
         self._probe = probe
         self._config = config
+        self._tunnels = tunnels
         self._streams: set[trio.CancelScope] = set()
         self._shutting_down = False
         self._leaving = False
@@ -149,7 +156,16 @@ class RegistrationService:
                 first = await self._next_message(requests, idle_timeout)
                 if first is None:
                     return
-                identity = admit(first, routing_key)
+                tunnels = self._tunnels
+                identity = admit(first, routing_key, tunnels is not None and tunnels.config.reverse)
+                if tunnels is None and is_tunnel(identity):  # a service built without tunnels
+                    raise GrpcError(
+                        GrpcStatus.INVALID_ARGUMENT,
+                        "invalid inference_server_url: inference_server_url scheme must be "
+                        "http or https (this service reaches no tunnel backends)",
+                    )
+                if tunnels is not None and (refusal := tunnels.admit(identity)) is not None:
+                    raise GrpcError(GrpcStatus.INVALID_ARGUMENT, refusal)
                 held = self._held.pop(identity.inference_server_id, None)
                 if held is not None:
                     # The same backend is back: its new stream wins, and requests in flight on
@@ -201,6 +217,8 @@ class RegistrationService:
         server_id = registration.identity.inference_server_id
         # The latest applied message and when it arrived: what a verdict change re-applies.
         latest: tuple[pb.InferenceServerRegistration, float] | None = None
+        tunnels = self._tunnels
+        tunneled = tunnels is not None and is_tunnel(registration.identity)
 
         def on_verdict(routable: bool) -> None:
             if latest is None:
@@ -213,32 +231,60 @@ class RegistrationService:
                 else dict.fromkeys(message.models, None),  # unroutable, still advertised
             )
 
+        probe = self._probe
+        if tunneled:
+            assert tunnels is not None
+            tunnels.begin(registration)
+
+            async def probe_tunnel(url: str) -> int:
+                del url  # the tunnel knows its backend
+                return await tunnels.probe(registration)
+
+            probe = probe_tunnel
         monitor = HealthMonitor(
             registration.identity.url,
-            self._probe,
+            probe,
             self._config.health_interval_seconds,
             # Every passing probe lifts a connect-failure demotion (docs/data-plane.md, Retries).
             on_healthy=lambda: self._routing.restore(server_id),
             on_verdict=on_verdict,
             clock=self._probe_clock,
         )
+        ack = pb.InferenceServerAck()
+        if tunnels is not None:
+            target, dial = tunnels.ack_fields()
+            ack = pb.InferenceServerAck(
+                reverse_tunnel_target=target, reverse_tunnel_pylon_dial_addr=dial
+            )
         failure: GrpcError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(monitor.run)
-            try:
-                message: pb.InferenceServerRegistration | None = first
-                while message is not None:
-                    check_identity(message, registration.identity)
-                    rtt_ns = await monitor.rtt_for_update()
-                    received_at = trio.current_time()
-                    routes = routes_for_update(message, rtt_ns, received_at)
-                    self._routing.apply(registration, routes)
-                    latest = (message, received_at)
-                    await send(pb.InferenceServerAck())
-                    message = await self._next_message(requests, idle_timeout)
-            except GrpcError as error:
-                failure = error  # raised below, outside the nursery, unwrapped
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(monitor.run)
+                try:
+                    message: pb.InferenceServerRegistration | None = first
+                    while message is not None:
+                        check_identity(message, registration.identity)
+                        connected = True
+                        if tunneled:
+                            assert tunnels is not None
+                            connected = await tunnels.gate(registration)
+                        rtt_ns = await monitor.rtt_for_update() if connected else None
+                        received_at = trio.current_time()
+                        routes = routes_for_update(message, rtt_ns, received_at)
+                        self._routing.apply(registration, routes)
+                        latest = (message, received_at)
+                        # A direct tunnel that cannot be dialed is not acked (the Rust rule):
+                        # the next update dials again.
+                        if connected or registration.identity.reverse_tunnel:
+                            await send(ack)
+                        message = await self._next_message(requests, idle_timeout)
+                except GrpcError as error:
+                    failure = error  # raised below, outside the nursery, unwrapped
+                nursery.cancel_scope.cancel()
+        finally:
+            if tunneled:
+                assert tunnels is not None
+                tunnels.end(registration)
         if failure is not None:
             raise failure
 

@@ -71,12 +71,13 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+from stargate.tunnel.kinds import is_tunnel
 from stargate.upstream import (
+    BackendResponse,
     ConnectError,
     ConnectionPool,
     ConnectionPoolTimeout,
     UpstreamError,
-    UpstreamResponse,
 )
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
@@ -90,6 +91,7 @@ __all__ = [
     "Forwarder",
     "HeadWaits",
     "LocalError",
+    "TunnelTransport",
     "no_eligible_candidates",
 ]
 
@@ -139,8 +141,21 @@ class LocalError:
 class Forwarded:
     """The final upstream response and the backend that produced it."""
 
-    response: UpstreamResponse
+    response: BackendResponse
     backend: BackendSnapshot
+
+
+class TunnelTransport(Protocol):
+    """How an attempt reaches a tunnel backend (`stargate/tunnel/backends.py`)."""
+
+    async def request(
+        self,
+        registration: Registration,
+        method: str,
+        path_and_query: bytes,
+        headers: Headers,
+        body: bytes | bytearray,
+    ) -> BackendResponse: ...
 
 
 HeadWaitKey = tuple[Registration, RoutingTargetKey]
@@ -284,8 +299,11 @@ class Forwarder:
         rng: random.Random | None = None,
         on_dispatch_failure: Callable[[str], None] | None = None,
         capacity: BackendCapacity | None = None,
+        tunnels: TunnelTransport | None = None,
     ) -> None:
         self._routing = routing
+        # Backends registered as `quic://` or with `reverse_tunnel` are reached through it.
+        self._tunnels = tunnels
         # Which backends are at their connection cap; the runtime passes the pool itself.
         # Without it every backend counts as having room (no preference).
         self._capacity = capacity
@@ -306,6 +324,10 @@ class Forwarder:
         self._rng = rng or random.Random()
         self._backend_counters: dict[tuple[RoutingTargetKey, str], int] = {}
         self.head_waits = HeadWaits()
+
+    def attach_tunnels(self, tunnels: TunnelTransport) -> None:
+        """Reach tunnel backends through `tunnels` (built after the forwarder by the runtime)."""
+        self._tunnels = tunnels
 
     def forget_target(self, target: RoutingTargetKey) -> None:
         """The target emptied: its load-balancer state and cluster counters start afresh."""
@@ -535,7 +557,7 @@ class Forwarder:
 
     async def _attempt(
         self, context: _RequestContext, cluster: ClusterSnapshot, backend: BackendSnapshot
-    ) -> tuple[UpstreamResponse | None, Decision]:
+    ) -> tuple[BackendResponse | None, Decision]:
         """One attempt (docs/data-plane.md, One attempt): reserve, send, wait for the head; the
         response head (None: there is none) and what the retry rules decided."""
         plan, state = context.plan, context.attempts
@@ -565,11 +587,10 @@ class Forwarder:
                 backend.inference_server_id, cluster.cluster_id, backend.url
             )
             headers = span.inject(headers)
-        url = backend.url.rstrip("/") + request.target_path.decode("latin-1")
         self._metrics.observe_replay_buffer(request.model_id, len(context.body))
         try:
             response = await self._request_head(
-                backend.registration, plan.target, url, headers, context.body
+                backend, plan.target, request.target_path, headers, context.body
             )
         except UpstreamError as error:  # no free connection in time included
             return None, self._conclude(context, cluster, backend, reservation, span, None, error)
@@ -586,7 +607,7 @@ class Forwarder:
         backend: BackendSnapshot,
         reservation: Reservation,
         span: AttemptSpan | None,
-        response: UpstreamResponse | None,
+        response: BackendResponse | None,
         error: UpstreamError | None = None,
     ) -> Decision:
         """The one place an attempt's outcome becomes its decision, metrics, log line and side
@@ -642,17 +663,24 @@ class Forwarder:
 
     async def _request_head(
         self,
-        registration: Registration,
+        backend: BackendSnapshot,
         target: RoutingTargetKey,
-        url: str,
+        path_and_query: bytes,
         headers: Headers,
         body: bytes | bytearray,
-    ) -> UpstreamResponse | None:
+    ) -> BackendResponse | None:
         """Send one attempt and wait for its response head; None when the backend stopped being
-        routable for `target` first (`backend_unroutable` cancelled the wait)."""
+        routable for `target` first (`backend_unroutable` cancelled the wait). A tunnel backend
+        is reached through its tunnel, any other over HTTP (docs/tunnels.md)."""
+        registration = backend.registration
         scope = self.head_waits.open(registration, target)
         try:
             with scope:
+                if self._tunnels is not None and is_tunnel(registration.identity):
+                    return await self._tunnels.request(
+                        registration, "POST", path_and_query, headers, body
+                    )
+                url = backend.url.rstrip("/") + path_and_query.decode("latin-1")
                 return await self._pool.request("POST", url, headers, body)
         finally:
             self.head_waits.close(registration, target, scope)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from stargate.asgi import BODY_FOLLOWS, ASGISend
-from stargate.upstream import UpstreamError, UpstreamResponse
+from stargate.upstream import BackendResponse, UpstreamError
 
 __all__ = ["BodyBroke", "send_response"]
 
@@ -27,7 +27,7 @@ class BodyBroke(Exception):
         self.relayed = relayed
 
 
-async def send_response(send: ASGISend, response: UpstreamResponse, start: dict[str, Any]) -> None:
+async def send_response(send: ASGISend, response: BackendResponse, start: dict[str, Any]) -> None:
     """Send `start` (an `http.response.start` message), then `response`'s body to its end.
 
     Raises `BodyBroke` if the body fails after the head was sent.

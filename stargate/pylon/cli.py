@@ -21,11 +21,13 @@ import click
 import trio
 
 from stargate.clitools import LISTEN_ADDRESS, NON_NEGATIVE_INT, POSITIVE_INT, log_settings
+from stargate.config import parse_tunnel_protocol
 from stargate.logs import configure_logging
 from stargate.pylon.config import (
     DEFAULT_HEALTH_PATHS,
     DEFAULT_STARGATE_PORT,
     ENGINE_STATS_STREAM_MODES,
+    PYLON_CONNECTIVITIES,
     UPSTREAM_BACKENDS,
     DialTarget,
     PylonConfig,
@@ -427,8 +429,66 @@ PYLON = Settings(
         "answer that runs to max_tokens, makes the model INACTIVE until a canary passes. 0: no "
         "canaries.",
     ),
+    Setting(
+        "--backend-connectivity",
+        env="STARGATE_PYLON_BACKEND_CONNECTIVITY",
+        to="tunnel.connectivity",
+        type=click.Choice(PYLON_CONNECTIVITIES),
+        default="http",
+        section="Tunnels",
+        help="How the replicas reach this Pylon: http (its HTTP listener, registered as "
+        "http://; our extension), direct (a QUIC listener on --quic-listen-addr, registered as "
+        "quic://IP:PORT) or reverse (it dials the reverse tunnel listener each replica's ack "
+        "names). direct and reverse are the Rust Pylon's; they must match the replicas.",
+    ),
+    Setting(
+        "--tunnel-protocol",
+        env="STARGATE_PYLON_TUNNEL_PROTOCOL",
+        to="tunnel.protocol",
+        default="raw-quic",
+        parse=parse_tunnel_protocol,
+        section="Tunnels",
+        metavar="raw-quic|http3",
+        help="Stream protocol inside the tunnel: raw-quic or http3 (alias h3). Must match the "
+        "replicas.",
+    ),
+    Setting(
+        "--quic-listen-addr",
+        env="STARGATE_PYLON_QUIC_LISTEN_ADDR",
+        to="tunnel.quic_listen_addr",
+        type=LISTEN_ADDRESS,
+        section="Tunnels",
+        help="UDP address of the direct tunnel listener; a wildcard host is registered as this "
+        "host's address. Port 0 picks a free one.",
+    ),
+    Setting(
+        "--tls-cert-path",
+        env="STARGATE_PYLON_TLS_CERT_PATH",
+        to="tunnel.cert_path",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        section="Tunnels",
+        help="Direct: the QUIC listener's certificate chain (PEM; with --tls-key-path; a "
+        "self-signed one with SANs localhost and stargate without it). Reverse: the certificates "
+        "trusted when dialing a replica.",
+    ),
+    Setting(
+        "--tls-key-path",
+        env="STARGATE_PYLON_TLS_KEY_PATH",
+        to="tunnel.key_path",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        section="Tunnels",
+        help="Private key (PEM) of --tls-cert-path.",
+    ),
+    Setting(
+        "--quic-insecure",
+        env="STARGATE_PYLON_QUIC_INSECURE",
+        to="tunnel.insecure",
+        kind="switch",
+        section="Tunnels",
+        help="Reverse: do not verify the replicas' QUIC certificates.",
+    ),
     *log_settings("STARGATE_PYLON_LOG_LEVEL", "STARGATE_PYLON_LOG_FORMAT"),
-    sections=("Request path", "Engine side channels", "Bring-up"),
+    sections=("Request path", "Tunnels", "Engine side channels", "Bring-up"),
 )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stargate.addresses import canonical_host, format_host_port, ip_literal, is_host_name
-from stargate.config import ListenAddress
+from stargate.config import ListenAddress, TunnelProtocol
 from stargate.health_probe import DEFAULT_HEALTH_PATHS
 from stargate.pylon.bringup import CalibrationConfig
 from stargate.pylon.stats.admission import AdmissionConfig
@@ -179,6 +179,46 @@ class RequestPathConfig:
             raise PylonConfigError("the priority ceiling must be from 0 to 4294967295")
 
 
+PYLON_CONNECTIVITIES = ("http", "direct", "reverse")
+DEFAULT_QUIC_LISTEN_ADDR = ListenAddress("127.0.0.1", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PylonTunnelConfig:
+    """How the replicas reach this Pylon (docs/tunnels.md, "The Pylon"): `http` (our extension:
+    its HTTP listener, registered as `http://`), `direct` (a QUIC listener on `quic_listen_addr`,
+    registered as `quic://IP:port`) or `reverse` (it dials each replica's reverse listener).
+
+    `cert_path`/`key_path` are the QUIC listener's identity (direct; a generated self-signed one
+    without them) and `cert_path` the certificates trusted when dialing (reverse; nothing is
+    checked with `insecure`), as the Rust Pylon reads `--tls-cert-path`."""
+
+    connectivity: str = "http"
+    protocol: TunnelProtocol = TunnelProtocol.RAW_QUIC
+    quic_listen_addr: ListenAddress = DEFAULT_QUIC_LISTEN_ADDR
+    cert_path: Path | None = None
+    key_path: Path | None = None
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.connectivity not in PYLON_CONNECTIVITIES:
+            raise PylonConfigError(
+                f"--backend-connectivity must be one of {', '.join(PYLON_CONNECTIVITIES)}"
+            )
+        if (self.cert_path is None) != (self.key_path is None) and self.connectivity == "direct":
+            raise PylonConfigError(
+                "--tls-key-path is required with --tls-cert-path"
+                if self.key_path is None
+                else "--tls-cert-path is required with --tls-key-path"
+            )
+        if self.connectivity == "reverse" and not self.insecure and self.cert_path is None:
+            raise PylonConfigError("TLS cert required when --quic-insecure is not set")
+
+    @property
+    def tunneled(self) -> bool:
+        return self.connectivity != "http"
+
+
 @dataclass(frozen=True, slots=True)
 class SideChannelConfig:
     """What the Pylon reads from its engine besides the requests (docs/pylon-data-path.md)."""
@@ -244,6 +284,7 @@ class PylonConfig:
     request_path: RequestPathConfig = field(default_factory=RequestPathConfig)
     side_channels: SideChannelConfig = field(default_factory=SideChannelConfig)
     bringup: BringupConfig = field(default_factory=BringupConfig)
+    tunnel: PylonTunnelConfig = field(default_factory=PylonTunnelConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", parse_upstream_url(self.upstream_url))

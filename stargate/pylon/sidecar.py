@@ -41,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -83,6 +84,7 @@ from stargate.pylon.snapshot import (
     watch_candidates,
 )
 from stargate.pylon.stats.aggregator import StatsAggregator, StatsConfig
+from stargate.pylon.tunnel import ReverseEndpoint
 from stargate.upstream import ConnectionPool, UpstreamConfig
 
 __all__ = [
@@ -93,6 +95,9 @@ __all__ = [
     "tcp_accepts",
     "wait_for_retry",
 ]
+
+if TYPE_CHECKING:  # aioquic loads only when a tunnel is served
+    from stargate.tunnel.quic import QuicConnection
 
 log = logging.getLogger("stargate.pylon")
 
@@ -300,6 +305,10 @@ class Pylon:
         self._models_failing = False
         self._credentials = stargate_credentials(config.stargate_ca_file)
         self._stop = trio.Event()
+        self._hop: PylonHop | None = None
+        self._reverse_connected: set[ReplicaInfo] = set()
+        if config.tunnel.connectivity == "reverse":
+            self.url = config.upstream_url  # the Rust Pylon registers its engine's URL
 
     # ------------------------------------------------------------------ public state
 
@@ -313,21 +322,30 @@ class Pylon:
         """Replicas whose current stream has been acknowledged at least once."""
         return frozenset(self._registered)
 
-    def registration(self) -> pb.InferenceServerRegistration:
+    def registration(self, replica: ReplicaInfo | None = None) -> pb.InferenceServerRegistration:
+        """The snapshot sent to `replica`. In reverse mode its models are INACTIVE there until
+        its reverse tunnel is up (the Rust Pylon's rule: nothing routes to a Pylon the replica
+        cannot reach)."""
         now = trio.current_time()
-        return build_registration(
+        reachable = self.config.tunnel.connectivity != "reverse" or (
+            replica is not None and replica in self._reverse_connected
+        )
+        message = build_registration(
             inference_server_id=self.config.inference_server_id,
             inference_server_url=self.url,
             cluster_id=self.config.cluster_id,
             models={
                 model: (
                     self.stats.snapshot(model, now),
-                    self.healthy and model not in self.canary_failing,
+                    reachable and self.healthy and model not in self.canary_failing,
                 )
                 for model in self.models
                 if model in self.admitted
             },
         )
+        if self.config.tunnel.connectivity == "reverse":
+            message.reverse_tunnel = True
+        return message
 
     def stop(self) -> None:
         """Begin a graceful stop: close every registration (the replicas stop routing here at
@@ -357,7 +375,7 @@ class Pylon:
         sock = bind_listener("pylon", path.listen_addr)
         try:
             bound = bound_address(sock)
-            if not self.url:
+            if not self.url and not config.tunnel.tunneled:
                 self.url = f"http://{format_host_port(advertise_host(bound.host), bound.port)}"
             log.info(
                 "pylon %r for %s: listening on %s, registered as %s; seeds %s, %s, heartbeat "
@@ -394,6 +412,9 @@ class Pylon:
             ):
                 self._pool = pool
                 hop = PylonHop(hop_config, pool, self.stats, pending=self._pending)
+                self._hop = hop
+                if config.tunnel.connectivity == "direct":
+                    await serving.start(self._serve_direct_tunnel, hop)
                 served = hypercorn_config(DRAIN_SECONDS)
                 served.errorlog = _listener_error_log()
                 # Longer than the replicas' idle expiry (60 s): they close an idle connection
@@ -421,6 +442,39 @@ class Pylon:
                     draining.set()  # the registrations are closed: drain the listener
         finally:
             sock.close()
+
+    async def _serve_direct_tunnel(
+        self, hop: PylonHop, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The direct tunnel listener (docs/tunnels.md): registered as `quic://IP:port`, each
+        connection's streams served through `hop`."""
+        from stargate.pylon.tunnel import serve_connection
+        from stargate.tunnel.identity import QuicIdentity
+        from stargate.tunnel.quic import QuicServer
+
+        tunnel = self.config.tunnel
+        identity = QuicIdentity(tunnel.cert_path, tunnel.key_path)
+        listen = tunnel.quic_listen_addr
+
+        async def serve(connection: QuicConnection) -> None:
+            await serve_connection(connection, hop, tunnel.protocol)
+
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                QuicServer.serve,
+                listen.host,
+                listen.port,
+                lambda: identity.server_configuration(tunnel.protocol.alpn),
+                serve,
+            )
+            host = advertise_host(listen.host)
+            self.url = f"quic://{format_host_port(host, server.port)}"
+            log.info(
+                "direct tunnel (%s) listening on UDP port %d", tunnel.protocol.value, server.port
+            )
+            if tunnel.cert_path is not None:
+                nursery.start_soon(identity.reload_every, 30_000)
+            task_status.started()
 
     def _start_side_channels(self, nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
         channels = self.config.side_channels
@@ -870,14 +924,22 @@ class Pylon:
             reader: ResponseReader[pb.InferenceServerAck] = ResponseReader(
                 call, f"pylon-register-{replica.authority}"
             )
+            endpoint = _LatestEndpoint()
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._send_snapshots, outbox)
+                    nursery.start_soon(self._send_snapshots, outbox, replica)
                     async for item in reader.receive:
                         if isinstance(item, StreamEnded):
                             ended = True
                             nursery.cancel_scope.cancel()
                             return item, acked
+                        if (
+                            self.config.tunnel.connectivity == "reverse"
+                            and endpoint.update(item)
+                            and not endpoint.started
+                        ):
+                            endpoint.started = True
+                            nursery.start_soon(self._reverse_tunnel, replica, endpoint)
                         if not acked:
                             acked = True
                             self._registered.add(replica)
@@ -901,12 +963,68 @@ class Pylon:
             outbox.close()
             channel.close()
 
-    async def _send_snapshots(self, outbox: Outbox[pb.InferenceServerRegistration]) -> None:
+    async def _reverse_tunnel(self, replica: ReplicaInfo, endpoint: _LatestEndpoint) -> None:
+        """Keep a reverse tunnel to `replica` while its registration stream is up: dial where its
+        latest ack says, serve the streams it opens, redial with a backoff (docs/tunnels.md)."""
+        from stargate.pylon.tunnel import ReverseTunnels
+
+        tunnel = self.config.tunnel
+        trust = tunnel.cert_path.read_bytes() if tunnel.cert_path is not None else None
+
+        def changed() -> None:
+            if replica.name in tunnels.connected:
+                self._reverse_connected.add(replica)
+            else:
+                self._reverse_connected.discard(replica)
+            self._notify_changed()
+
+        tunnels = ReverseTunnels(
+            lambda: self._hop,
+            self.config.inference_server_id,
+            lambda: self._token,
+            protocol=tunnel.protocol,
+            insecure=tunnel.insecure,
+            trust_pem=trust,
+            on_change=changed,
+        )
+        try:
+            await tunnels.run_for(replica.name, endpoint.wait)
+        finally:
+            self._reverse_connected.discard(replica)
+
+    async def _send_snapshots(
+        self, outbox: Outbox[pb.InferenceServerRegistration], replica: ReplicaInfo
+    ) -> None:
         while True:
             changed = self._changed
-            outbox.put(self.registration())
+            outbox.put(self.registration(replica))
             with trio.move_on_after(self.config.heartbeat_seconds):
                 await changed.wait()
+
+
+class _LatestEndpoint:
+    """The reverse endpoint named by a replica's latest ack (`reverse_tunnel_target`,
+    `reverse_tunnel_pylon_dial_addr`); `wait` returns it once there is one."""
+
+    def __init__(self) -> None:
+        self.current: ReverseEndpoint | None = None
+        self.started = False
+        self._known = trio.Event()
+
+    def update(self, ack: pb.InferenceServerAck) -> bool:
+        """Take `ack`'s endpoint; True when it names one."""
+        target = ack.reverse_tunnel_target.strip()
+        if not target:
+            return False
+        dial = ack.reverse_tunnel_pylon_dial_addr.strip() or target
+        self.current = ReverseEndpoint(target, dial)
+        self._known.set()
+        return True
+
+    async def wait(self) -> ReverseEndpoint:
+        await self._known.wait()
+        assert self.current is not None
+        return self.current
 
 
 async def run_pylon(

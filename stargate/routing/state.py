@@ -87,6 +87,8 @@ class RegistrationIdentity:
     cluster_id: str
     url: str
     routing_key: str | None
+    reverse_tunnel: bool = False
+    """The Pylon dials the replica's reverse tunnel listener (docs/tunnels.md)."""
 
 
 class AlreadyRegistered(Exception):

@@ -12,6 +12,8 @@ httpcore, one concern per file:
   connection back through a release callback.
 * `connection_pool.py`: `ConnectionPool`: origins, idle connections, slots, the acquire timeout,
   idle expiry, the one retry of a stale reused connection; and `ConnectionPoolStats`.
+* `response.py`: `BackendResponse`, the surface of a response whatever the transport (the
+  tunnels' responses have it too).
 * `upkeep.py`: `ConnectionPools`, a process's pools kept up (idle expiry, departed backends)
   and closed as one.
 
@@ -33,9 +35,11 @@ from stargate.upstream.errors import (
     UpstreamError,
     UpstreamProtocolError,
 )
+from stargate.upstream.response import BackendResponse
 from stargate.upstream.upkeep import ConnectionPools
 
 __all__ = [
+    "BackendResponse",
     "ConnectError",
     "ConnectionPool",
     "ConnectionPoolStats",

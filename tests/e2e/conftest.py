@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.fleet import Fleet
 from tests.e2e.processes import StargateProcess, launch, stop
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """Replicas, Pylons and engines of one test (tests/e2e/fleet.py), all stopped at teardown."""
+    handle = Fleet(tmp_path)
+    try:
+        yield handle
+    finally:
+        handle.close()
 
 
 @pytest.fixture

@@ -244,17 +244,30 @@ def test_second_stream_with_a_live_id_gets_already_exists(
             "invalid inference_server_url: inference_server_url must be a valid URL",
         ),
         (
+            # A direct tunnel this replica could not verify (docs/tunnels.md, Admission).
             "bad-3",
             "quic://127.0.0.1:4433",
             False,
-            "invalid inference_server_url: inference_server_url scheme must be http or https "
-            "(quic backends are not supported: this replica reaches backends over HTTP)",
+            "quic backends need --quic-insecure or --quic-tls-cert-path (the certificates "
+            "their Pylons present) on this replica",
         ),
         (
             "bad-4",
             "ftp://127.0.0.1:21",
             False,
+            "invalid inference_server_url: inference_server_url scheme must be quic, http or https",
+        ),
+        (
+            "bad-3b",
+            "quic://127.0.0.1:4433",
+            True,
             "invalid inference_server_url: inference_server_url scheme must be http or https",
+        ),
+        (
+            "bad-3c",
+            "quic://pylon:4433",
+            False,
+            "invalid inference_server_url: inference_server_url host must be an IP address",
         ),
         (
             "bad-5",

@@ -10,11 +10,20 @@ import sys
 import threading
 
 import httpx
+import pytest
 
 from tests.e2e.processes import Ports, wait_until
 
 
-def test_demo_turns_ready_serves_a_stream_and_exits_0_on_sigint() -> None:
+@pytest.mark.parametrize(
+    "tunnel",
+    [
+        pytest.param((), id="http"),
+        # The most tunnel machinery in one run: the Pylons dial the replica, HTTP/3 inside.
+        pytest.param(("--tunnel=http3", "--tunnel-connectivity=reverse"), id="http3-reverse"),
+    ],
+)
+def test_demo_turns_ready_serves_a_stream_and_exits_0_on_sigint(tunnel: tuple[str, ...]) -> None:
     ports = Ports.pick()
     process = subprocess.Popen(
         [
@@ -28,6 +37,7 @@ def test_demo_turns_ready_serves_a_stream_and_exits_0_on_sigint() -> None:
             f"--metrics-port={ports.metrics}",
             "--warmup-sample-interval-ms=200",
             "--warmup-stabilization-window=3",
+            *tunnel,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -45,6 +55,7 @@ def test_demo_turns_ready_serves_a_stream_and_exits_0_on_sigint() -> None:
         text = "".join(output)
         assert "curl -N" in text and "warming up:" in text
         assert "ready: promoted (stabilized) with 2 active backends" in text
+        assert ("tunnels      http3, reverse" in text) == bool(tunnel)
         body = {
             "model": "demo-model",
             "stream": True,

@@ -33,12 +33,15 @@ from stargate import cli as stargate_cli  # noqa: E402
 from stargate.activator.config import load_pool_config  # noqa: E402
 from stargate.cli import main  # noqa: E402
 from stargate.config import (  # noqa: E402
+    Connectivity,
     ListenAddress,
     PoolOwnershipConfig,
     SecretsConfig,
     ServeConfig,
     TlsConfig,
     TracingConfig,
+    TunnelConfig,
+    TunnelProtocol,
     WarmupConfig,
 )
 
@@ -450,7 +453,17 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "secretsJsonPath": "nvcf.apiToken",
             "oauth2ProviderHost": "https://login.example",
             "healthCheckTimeoutMs": 1_500,
-            "backendConnectivity": "direct",
+            "backendConnectivity": "reverse",
+            "tunnelProtocol": "http3",
+            "directQuicConnections": 3,
+            "reverseTunnelListenAddr": "0.0.0.0:15072",
+            "reverseTunnelPylonDialAddr": "udp-lb.example:15072",
+            "reverseTunnelConnectTimeoutMs": 0,
+            "quicConnectTimeoutMs": 1_500,
+            "quicRequestTimeoutMs": 60_000,
+            "quicInsecure": True,
+            "quicTlsCertPath": files["tls.crt"],
+            "quicTlsKeyPath": files["tls.key"],
             "proxyMaxConnectRetries": 0,
             "proxyMaxRequestRetries": 0,
             "proxyMaxReplayBodyBytes": 1_000_000,
@@ -579,6 +592,20 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert cp.oauth2_provider_host == "https://login.example"
     assert config.secrets == SecretsConfig(Path(files["secrets.json"]), "nvcf.apiToken")
     assert config.tls == TlsConfig(Path(files["tls.crt"]), Path(files["tls.key"]), 5_000)
+    assert config.tunnels == TunnelConfig(
+        protocol=TunnelProtocol.HTTP3,
+        connectivity=Connectivity.REVERSE,
+        direct_connections=3,
+        reverse_listen_addr="0.0.0.0:15072",
+        reverse_pylon_dial_addr="udp-lb.example:15072",
+        reverse_connect_timeout_ms=0,
+        connect_timeout_ms=1_500,
+        request_timeout_ms=60_000,
+        insecure=True,
+        cert_path=Path(files["tls.crt"]),
+        key_path=Path(files["tls.key"]),
+        reload_interval_ms=5_000,
+    )
     assert config.tracing == TracingConfig("http://collector.example:4317", "router-x")
     assert config.activator.pool_config_path == pool_file
     assert (config.activator.resync_interval_ms, config.activator.controller_timeout_ms) == (
@@ -588,6 +615,43 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert config.activator.ownership == PoolOwnershipConfig(
         "lease", "llm-leases", "router-x", 9_000, 6_000, 1_000, "http://10.9.9.9:18000"
     )
+
+
+def test_a_reverse_tunnel_listener_gets_its_udp_ports_and_its_quic_secret(
+    chart: Any, cli: Any
+) -> None:
+    """tunnels.reverse: the reverse connectivity and listener flags, a UDP container port and the
+    same port on the headless Service (Pylons dial each replica); tunnels.tlsSecretName: mounted,
+    passed as the QUIC pair. Without them: none of it."""
+    values = {
+        "ports": {"reverseTunnel": 15072},
+        "tunnels": {"reverse": True, "tlsSecretName": "quic-identity"},
+    }
+    r = render(chart, values)
+    assert "--backend-connectivity=reverse" in r.args
+    assert "--reverse-tunnel-listen-addr=0.0.0.0:15072" in r.args
+    assert "--quic-tls-cert-path=/etc/stargate-quic-tls/tls.crt" in r.args
+    assert "--quic-tls-key-path=/etc/stargate-quic-tls/tls.key" in r.args
+    udp = {"name": "reverse-tunnel", "containerPort": 15072, "protocol": "UDP"}
+    assert udp in r.container["ports"]
+    mounts = {m["name"]: m["mountPath"] for m in r.container["volumeMounts"]}
+    assert mounts["quic-tls"] == "/etc/stargate-quic-tls"
+    volumes = {v["name"]: v for v in r.pod["volumes"]}
+    assert volumes["quic-tls"]["secret"]["secretName"] == "quic-identity"
+    headless = r.one("Service", f"{FULLNAME}-headless")["spec"]
+    udp_service = {"name": "reverse-tunnel", "port": 15072, "targetPort": "reverse-tunnel"}
+    assert {**udp_service, "protocol": "UDP"} in headless["ports"]
+    client = r.one("Service", FULLNAME)["spec"]  # clients never dial it
+    assert all(p["protocol"] == "TCP" for p in client["ports"])
+    # The CLI accepts the listener flags (the mounted files exist only in the pod).
+    listener = render(chart, {"ports": {"reverseTunnel": 15072}, "tunnels": {"reverse": True}})
+    code, output, config = cli(substitute(listener.args))
+    assert code == 0, output
+    assert config is not None and config.tunnels.reverse
+    assert config.tunnels.reverse_listen_addr == "0.0.0.0:15072"
+    plain = render(chart, {})
+    assert not any("tunnel" in arg or "quic" in arg for arg in plain.args)
+    assert all(port["protocol"] == "TCP" for port in plain.container["ports"])
 
 
 def test_switches_set_to_false_are_not_rendered(chart: Any) -> None:

@@ -171,6 +171,9 @@ must let an owner stop deciding before its Lease can expire. */}}
 {{- if and .Values.tls.secretName (or (not (kindIs "invalid" $s.tlsCertPath)) (not (kindIs "invalid" $s.tlsKeyPath))) }}
 {{- fail "set either tls.secretName (the chart mounts it and passes --tls-cert-path/--tls-key-path) or serve.tlsCertPath/serve.tlsKeyPath, not both" }}
 {{- end }}
+{{- if and .Values.tunnels.tlsSecretName (or (not (kindIs "invalid" $s.quicTlsCertPath)) (not (kindIs "invalid" $s.quicTlsKeyPath))) }}
+{{- fail "set either tunnels.tlsSecretName (the chart mounts it and passes --quic-tls-cert-path/--quic-tls-key-path) or serve.quicTlsCertPath/serve.quicTlsKeyPath, not both" }}
+{{- end }}
 {{- if ne (kindIs "invalid" $s.tlsCertPath) (kindIs "invalid" $s.tlsKeyPath) }}
 {{- fail "serve.tlsCertPath and serve.tlsKeyPath go together (--tls-key-path is required with --tls-cert-path)" }}
 {{- end }}
@@ -246,6 +249,20 @@ given explicitly replace these. */}}
 {{- if $v.secretsFile.secretName }}
 {{- $args = append $args (printf "--secrets-path=%s/%s" $v.secretsFile.mountPath $v.secretsFile.key) }}
 {{- end }}
+{{- /* The reverse tunnel listener (docs/tunnels.md) on ports.reverseTunnel (UDP); serve.* values
+given explicitly replace these. */}}
+{{- if $v.tunnels.tlsSecretName }}
+{{- $args = append $args (printf "--quic-tls-cert-path=%s/tls.crt" $v.tunnels.tlsMountPath) }}
+{{- $args = append $args (printf "--quic-tls-key-path=%s/tls.key" $v.tunnels.tlsMountPath) }}
+{{- end }}
+{{- if $v.tunnels.reverse }}
+{{- if kindIs "invalid" $s.backendConnectivity }}
+{{- $args = append $args "--backend-connectivity=reverse" }}
+{{- end }}
+{{- if kindIs "invalid" $s.reverseTunnelListenAddr }}
+{{- $args = append $args (printf "--reverse-tunnel-listen-addr=0.0.0.0:%s" (include "stargate.int" $v.ports.reverseTunnel)) }}
+{{- end }}
+{{- end }}
 {{- /* [key, flag, kind]: value = --flag=<v>; switch = bare --flag when true; toggle = --flag when
 true, --no-flag when false; list = one --flag=<item> each */}}
 {{- $flags := list
@@ -267,6 +284,16 @@ true, --no-flag when false; list = one --flag=<item> each */}}
   (list "oauth2ProviderHost" "--oauth2-provider-host" "value")
   (list "healthCheckTimeoutMs" "--health-check-timeout-ms" "value")
   (list "backendConnectivity" "--backend-connectivity" "value")
+  (list "tunnelProtocol" "--tunnel-protocol" "value")
+  (list "directQuicConnections" "--direct-quic-connections" "value")
+  (list "reverseTunnelListenAddr" "--reverse-tunnel-listen-addr" "value")
+  (list "reverseTunnelPylonDialAddr" "--reverse-tunnel-pylon-dial-addr" "value")
+  (list "reverseTunnelConnectTimeoutMs" "--reverse-tunnel-connect-timeout-ms" "value")
+  (list "quicConnectTimeoutMs" "--quic-connect-timeout-ms" "value")
+  (list "quicRequestTimeoutMs" "--quic-request-timeout-ms" "value")
+  (list "quicInsecure" "--quic-insecure" "switch")
+  (list "quicTlsCertPath" "--quic-tls-cert-path" "value")
+  (list "quicTlsKeyPath" "--quic-tls-key-path" "value")
   (list "proxyMaxConnectRetries" "--proxy-max-connect-retries" "value")
   (list "proxyMaxRequestRetries" "--proxy-max-request-retries" "value")
   (list "proxyMaxReplayBodyBytes" "--proxy-max-replay-body-bytes" "value")

@@ -49,7 +49,8 @@ U32_MAX = 2**32 - 1
 # The messages of docs/control-plane.md, Admission: URL problems share one prefix.
 URL_PREFIX = "invalid inference_server_url: inference_server_url "
 NOT_A_URL = URL_PREFIX + "must be a valid URL"
-BAD_SCHEME = URL_PREFIX + "scheme must be http or https"
+BAD_SCHEME = URL_PREFIX + "scheme must be quic, http or https"
+REVERSE_BAD_SCHEME = URL_PREFIX + "scheme must be http or https"
 NO_HOST = URL_PREFIX + "must include host"
 ID_EMPTY = "inference_server_id is empty"
 URL_EMPTY = "inference_server_url is empty"
@@ -177,8 +178,10 @@ def test_urls_without_an_authority_are_refused(url: str) -> None:
         pytest.param("grpc://", id="grpc-without-host"),
     ],
 )
-def test_other_schemes_are_refused_naming_http_and_https(url: str) -> None:
+def test_other_schemes_are_refused_naming_quic_http_and_https(url: str) -> None:
     _assert_invalid(_rejection(lambda: validate_backend_url(url)), BAD_SCHEME)
+    # A reverse registration names only what it may use: its engine's http(s) URL.
+    _assert_invalid(_rejection(lambda: validate_backend_url(url, True)), REVERSE_BAD_SCHEME)
 
 
 @pytest.mark.parametrize(
@@ -186,17 +189,32 @@ def test_other_schemes_are_refused_naming_http_and_https(url: str) -> None:
     [
         pytest.param("quic://10.0.0.7:4433", id="quic"),
         pytest.param("QUIC://10.0.0.7:4433", id="upper-case-quic"),
-        pytest.param("quic://pylon:4433", id="quic-host-name"),
-        pytest.param("quic://", id="quic-without-host"),
+        pytest.param("quic://[::1]:4433", id="quic-ipv6"),
     ],
 )
-def test_quic_is_refused_naming_what_is_supported(url: str) -> None:
-    # D3: the Rust replica's direct transport; the message says what to use instead and why.
-    error = _rejection(lambda: validate_backend_url(url))
-    assert error.status is GrpcStatus.INVALID_ARGUMENT
-    assert error.message.startswith(BAD_SCHEME)
-    assert "quic backends are not supported" in error.message
-    assert "over HTTP" in error.message
+def test_a_direct_tunnel_url_is_quic_with_an_ip_literal_and_a_port(url: str) -> None:
+    # docs/tunnels.md, Admission: the Rust rules for quic:// (the replica dials it).
+    validate_backend_url(url)
+    _assert_invalid(_rejection(lambda: validate_backend_url(url, True)), REVERSE_BAD_SCHEME)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        pytest.param("quic://pylon:4433", URL_PREFIX + "host must be an IP address", id="name"),
+        pytest.param("quic://10.0.0.7", URL_PREFIX + "must include port", id="no-port"),
+        pytest.param("quic://10.0.0.7:", URL_PREFIX + "must include port", id="empty-port"),
+        pytest.param("quic://", NO_HOST, id="no-host"),
+    ],
+)
+def test_a_quic_url_without_an_ip_literal_or_a_port_is_refused(url: str, message: str) -> None:
+    _assert_invalid(_rejection(lambda: validate_backend_url(url)), message)
+
+
+def test_a_reverse_registration_is_admitted_where_a_reverse_listener_is_configured() -> None:
+    identity = admit(_message(reverse_tunnel=True), None, reverse_listener=True)
+    assert identity.reverse_tunnel
+    assert not admit(_message(), None, reverse_listener=True).reverse_tunnel
 
 
 @pytest.mark.parametrize(
@@ -296,7 +314,9 @@ def test_models_play_no_part_in_admission(
         pytest.param(_message(url="grpc://pylon:1"), BAD_SCHEME, id="scheme"),
         pytest.param(_message(url="http://"), NO_HOST, id="host"),
         pytest.param(
-            _message(url="grpc://pylon:1", reverse_tunnel=True), BAD_SCHEME, id="url-then-reverse"
+            _message(url="grpc://pylon:1", reverse_tunnel=True),
+            REVERSE_BAD_SCHEME,
+            id="url-then-reverse",
         ),
         pytest.param(_message(reverse_tunnel=True), REVERSE_REFUSED, id="reverse-tunnel"),
         pytest.param(
@@ -314,7 +334,7 @@ def test_admission_rejections_in_order(
 
 @pytest.mark.parametrize(
     "url",
-    [*NOT_URLS[1:], "grpc://pylon:1", "quic://10.0.0.7:4433", "https://:8443", "http://#frag"],
+    [*NOT_URLS[1:], "grpc://pylon:1", "quic://pylon:4433", "https://:8443", "http://#frag"],
 )
 def test_admission_applies_every_url_rule(url: str) -> None:
     # The empty URL has its own message (see above); every other URL rule is validate_backend_url.

@@ -768,7 +768,7 @@ def _leaves(error: BaseException) -> Iterator[BaseException]:
 def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     """Break the code the way a regression would."""
     if fault == "the URL check is skipped":
-        monkeypatch.setattr(admission, "validate_backend_url", lambda url: None)
+        monkeypatch.setattr(admission, "validate_backend_url", lambda url, reverse=False: None)
     elif fault == "an ended stream keeps its routes":
         monkeypatch.setattr(RegistrationService, "_end", lambda self, registration: None)
     elif fault == "a model without stats raises":
