@@ -51,7 +51,6 @@ from stargate.metrics import (
     LiveFleet,
     Metrics,
     TlsMetrics,
-    TunnelCounters,
     metrics_asgi_app,
 )
 from stargate.proxy.app import ProxyApp
@@ -73,7 +72,7 @@ from stargate.serving import (
 )
 from stargate.shutdown import Shutdown, ShutdownSteps
 from stargate.tracing import start_tracing
-from stargate.tunnel.backends import TunnelBackends, TunnelMetrics
+from stargate.tunnel.backends import replica_tunnels
 from stargate.upstream import ConnectionPool, ConnectionPools, upstream_ca_file, upstream_config
 
 __all__ = ["BoundAddresses", "Replica", "StartupError", "run"]
@@ -126,6 +125,7 @@ class Replica:
         # start-up here, before anything binds.
         self.tls: ServedIdentity | None = None
         # One family for both identities (HTTP/gRPC, and the QUIC tunnels' mounted pair).
+        # (None for a plaintext replica, which exports neither series.)
         tls_metrics = (
             TlsMetrics.create(self.registry, config.metrics_prefix)
             if config.tls is not None or config.tunnels.key_path is not None
@@ -175,22 +175,10 @@ class Replica:
         self._relay: OwnerRelay | None = None  # with shared pools (proxy/owner_relay.py)
         authenticator = registration_authenticator(config)
         # quic:// and reverse backends (docs/tunnels.md): the QUIC machinery loads on first use.
-        self.tunnels = TunnelBackends(
-            config.tunnels,
-            authenticator.authenticate,
-            advertised_host=self._advertised_host,
-            metrics=_tunnel_metrics(
-                TunnelCounters.create(self.registry, config.metrics_prefix), tls_metrics
-            ),
+        self.tunnels = replica_tunnels(
+            config, authenticator.authenticate, self._advertised_host, self.registry, tls_metrics
         )
         self.forwarder.attach_tunnels(self.tunnels)
-        if config.tunnels.key_path is not None:  # a pair that cannot be served fails start-up
-            try:
-                self.tunnels.load_identity()
-            except (OSError, ValueError) as error:
-                raise StartupError(
-                    f"--quic-tls-cert-path/--quic-tls-key-path cannot be served: {error}"
-                ) from None
         self.registrations = RegistrationService(
             self.routing,
             authenticator,
@@ -470,20 +458,3 @@ async def _main(config: ServeConfig) -> int:
 def run(config: ServeConfig) -> int:
     """Run one replica in this process until it shuts down; return the exit code."""
     return trio.run(_main, config)
-
-
-def _tunnel_metrics(counters: TunnelCounters, tls: TlsMetrics | None) -> TunnelMetrics:
-    """The tunnel's callbacks bound to its Prometheus counters; reloads of the QUIC pair count in
-    `tls_reloads_total{material_type="quic_server_identity"}`."""
-
-    def reloaded(result: str) -> None:
-        if tls is not None:
-            tls.reloads.labels(material_type="quic_server_identity", result=result).inc()
-
-    return TunnelMetrics(
-        evicted=lambda server_id, reason: counters.evictions.labels(server_id, reason).inc(),
-        reconnected=lambda server_id, result: counters.hot_path_reconnects.labels(
-            server_id, result
-        ).inc(),
-        identity_reloaded=reloaded,
-    )

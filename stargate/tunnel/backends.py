@@ -29,10 +29,13 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import trio
+from prometheus_client import CollectorRegistry
 
-from stargate.config import TunnelConfig, TunnelProtocol
+from stargate.config import ServeConfig, TunnelConfig, TunnelProtocol
 from stargate.http_headers import Headers
+from stargate.metrics import TlsMetrics, TunnelCounters
 from stargate.routing import Registration, RegistrationIdentity
+from stargate.serving import StartupError
 from stargate.tunnel.codec import decode_handshake, encode_handshake_ack
 from stargate.tunnel.gating import DirectGate, ReverseSlot, ReverseState
 from stargate.tunnel.handshake import read_one_message
@@ -48,6 +51,7 @@ __all__ = [
     "Authenticate",
     "TunnelBackends",
     "TunnelMetrics",
+    "replica_tunnels",
 ]
 
 log = logging.getLogger("stargate.tunnel")
@@ -449,3 +453,41 @@ class TunnelBackends:
         if not tunnel.reverse.begin_install(current is not None and current.healthy):
             return None, "duplicate connection"
         return tunnel, None
+
+
+def replica_tunnels(
+    config: ServeConfig,
+    authenticate: Authenticate,
+    advertised_host: Callable[[], str],
+    registry: CollectorRegistry,
+    tls: TlsMetrics | None,
+) -> TunnelBackends:
+    """A replica's tunnels, their counters on `registry` (the Rust names, docs/tunnels.md,
+    "Metrics"); a mounted QUIC pair is read now, so one that cannot be served fails start-up
+    (StartupError naming the flags)."""
+    counters = TunnelCounters.create(registry, config.metrics_prefix)
+
+    def reloaded(result: str) -> None:
+        if tls is not None:  # created whenever a QUIC pair is mounted
+            tls.reloads.labels(material_type="quic_server_identity", result=result).inc()
+
+    tunnels = TunnelBackends(
+        config.tunnels,
+        authenticate,
+        advertised_host=advertised_host,
+        metrics=TunnelMetrics(
+            evicted=lambda server_id, reason: counters.evictions.labels(server_id, reason).inc(),
+            reconnected=lambda server_id, result: counters.hot_path_reconnects.labels(
+                server_id, result
+            ).inc(),
+            identity_reloaded=reloaded,
+        ),
+    )
+    if config.tunnels.key_path is not None:
+        try:
+            tunnels.load_identity()
+        except (OSError, ValueError) as error:
+            raise StartupError(
+                f"--quic-tls-cert-path/--quic-tls-key-path cannot be served: {error}"
+            ) from None
+    return tunnels

@@ -279,7 +279,7 @@ class _Endpoint(Generic[_S]):
         state.buffered -= len(chunk)
         self._credit(state)
         if self.connection.quic.credit_due(state.stream_id):
-            self.connection.transmit()
+            self.connection.transmit_soon()
         return chunk
 
     # Sending: bounded by the unsent backlog.
@@ -317,12 +317,13 @@ class _Endpoint(Generic[_S]):
         except _SEND_ERRORS:
             return False
         state.sent_fin = end
-        self.connection.transmit()
+        self.connection.transmit_soon()
         return True
 
     def _abandon(self, state: _S, *, stop: bool = True) -> None:
         """Reset our side (and stop the peer's, if `stop` and it has not ended); forget it."""
         stop = stop and not state.fin and state.failure is None  # else it has ended already
+        self.connection.flush()  # a reset discards what this turn queued and did not send yet
         self.h3.abandon(state.stream_id, H3_REQUEST_CANCELLED, stop=stop)
         self.connection.transmit()
         self._forget(state)
@@ -423,7 +424,7 @@ class Http3Link(_Endpoint[_Exchange]):
         self._track(exchange)
         self.h3.send_headers(exchange.stream_id, head, end_stream=end)
         exchange.sent_fin = end
-        self.connection.transmit()
+        self.connection.transmit_soon()
         return exchange
 
     async def _upload(self, exchange: _Exchange, body: bytes | bytearray) -> bool:
@@ -670,7 +671,7 @@ class _Http3Server(_Endpoint[_Request]):
             self.h3.send_headers(request.stream_id, head)
         except _SEND_ERRORS as error:
             raise _StreamGone(str(error)) from None
-        self.connection.transmit()
+        self.connection.transmit_soon()
 
     async def _send_body(self, request: _Request, data: bytes, *, end: bool) -> None:
         if not data and not end:

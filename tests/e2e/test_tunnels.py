@@ -135,8 +135,13 @@ def test_a_client_that_leaves_cancels_the_engine_request(
         client.stream("POST", "/v1/chat/completions", json=chat()) as response,
     ):
         assert response.status_code == 200
-        next(response.iter_raw())  # the first event is through
-        assert httpx.get(engine.url + "/test-control").json()["in_flight"] == 1
+        next(response.iter_raw())  # the first event is through (the engine's role event,
+        # which it may send before counting the request as in flight)
+        wait_until(
+            lambda: httpx.get(engine.url + "/test-control").json()["in_flight"] == 1,
+            3,
+            "the engine request in flight",
+        )
     # The client closed its connection: the replica resets the tunnel stream, the Pylon cancels
     # its engine request.
     wait_until(

@@ -106,6 +106,7 @@ class QuicConnection:
         self._stream_credit = trio.lowlevel.ParkingLot()
         self._blocked_writers: set[QuicStream] = set()
         self._timer_scope: trio.CancelScope | None = None
+        self._transmit_due = False
         self._peer_max_streams = 0
         self._quic_streams_at_sweep = 0
 
@@ -258,9 +259,30 @@ class QuicConnection:
         self._quic.receive_datagram(data, addr, now=trio.current_time())
         self._process_events()
 
+    def transmit_soon(self) -> None:
+        """Send what is queued at the end of this loop turn: the connection's task wakes once
+        every task that ran in this turn has written, so their frames share packets, one
+        `datagrams_to_send` pass and fewer syscalls (a stream's writes, other streams', the ACKs
+        and credit of what was read). Without a running task (during the handshake), at once.
+        Never waits."""
+        if self._transmit_due or self._terminated:
+            return
+        self._transmit_due = True
+        if self._timer_scope is not None:
+            self._timer_scope.deadline = -math.inf  # wake `run` after this turn
+        else:
+            self.transmit()
+
+    def flush(self) -> None:
+        """Send now what `transmit_soon` left for the end of the turn (before a reset, which
+        would discard it). Never waits."""
+        if self._transmit_due:
+            self.transmit()
+
     def transmit(self) -> None:
         """Send what aioquic has to send now and re-arm the timer. Never waits (a datagram the
         socket cannot take right now is dropped, and QUIC loss recovery resends it)."""
+        self._transmit_due = False
         if self._terminated:
             return
         quic = self._quic

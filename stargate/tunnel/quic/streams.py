@@ -91,7 +91,7 @@ class QuicStream:
             raise StreamClosed(f"stream {self._id}: {error}") from None
         self._fin_queued = end
         connection = self._connection
-        connection.transmit()
+        connection.transmit_soon()
         parked = False
         while self.send_backlog > connection.send_high_water:
             self._raise_if_unsendable()
@@ -119,22 +119,23 @@ class QuicStream:
     async def receive(self) -> bytes:
         """The bytes received so far and not yet returned (waiting for some), `b""` at FIN and
         on every later call. Raises `StreamReset` when the peer reset the stream or the
-        connection closed before FIN (code 0, "connection closed"), `StreamClosed` after
-        `stop`. Reading grants the peer new credit."""
+        connection closed before FIN (code 0, "connection closed"), once the data that arrived
+        before it has been read; `StreamClosed` after `stop`. Reading grants the peer new
+        credit."""
         await trio.lowlevel.checkpoint_if_cancelled()
         parked = False
         while True:
-            if self._failure is not None:
-                code, message = self._failure
-                raise StreamReset(code, message)
             if self._stopped:
                 raise StreamClosed(f"stream {self._id}: receiving was stopped")
-            if self._chunks:
+            if self._chunks:  # what arrived before a reset is still the peer's: read it first
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
                 self._chunks.clear()
                 self._buffered = 0
                 self._consumed(len(data))
                 break
+            if self._failure is not None:
+                code, message = self._failure
+                raise StreamReset(code, message)
             if self._fin_received:
                 data = b""
                 break
@@ -149,7 +150,7 @@ class QuicStream:
         if self._id in consumed:
             consumed[self._id] += size
             if self._quic.credit_due(self._id):
-                self._connection.transmit()
+                self._connection.transmit_soon()
 
     def reset(self, code: int = 0) -> None:
         """Abandon the sending side (RESET_STREAM with `code`); wakes a waiting `send`, which
@@ -159,6 +160,9 @@ class QuicStream:
             return
         self._reset_sent = True
         if not self._connection._closing:
+            # What this turn queued goes out first: a reset discards unsent data, and the events
+            # written just before a stream is cut (an output timeout) belong to the client.
+            self._connection.flush()
             with suppress(RuntimeError, ValueError):
                 self._quic.reset_stream(self._id, code)
             self._connection.transmit()
@@ -194,9 +198,9 @@ class QuicStream:
         elif isinstance(event, events.StreamReset):
             if self._stopped or self._failure is not None:
                 return
+            # What arrived before the reset stays readable (`receive` raises after it): the
+            # events an answer had produced before it was cut reach the client.
             self._failure = (event.error_code, "")
-            self._chunks.clear()
-            self._buffered = 0
             self._readers.unpark_all()
         elif isinstance(event, events.StopSendingReceived):
             self._peer_stop = event.error_code

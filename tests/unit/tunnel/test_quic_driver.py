@@ -4,6 +4,7 @@ idle timeout, and a server with many clients. The TLS side is in test_quic_tls.p
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -523,3 +524,50 @@ async def test_dialing_a_silent_peer_times_out() -> None:
                 await connect(
                     nursery, "127.0.0.1", silent.getsockname()[1], client_config(), timeout=0.3
                 )
+
+
+# Writes of one loop turn leave together (transmit_soon).
+
+
+async def test_the_writes_of_one_turn_share_packets() -> None:
+    """Twenty streams each writing a small message in the same turn: the frames leave in a
+    handful of datagrams, not one datagram (and one `datagrams_to_send` pass) per write."""
+    async with quic_pair() as (client, server), trio.open_nursery() as nursery:
+        nursery.start_soon(echo_streams, server)
+        streams = [await client.open_stream() for _ in range(20)]
+        await trio.sleep(0.05)  # the handshake's and the opening's packets are gone
+        sent: list[bytes] = []
+        original = client._send_datagram
+
+        def counting(data: bytes, addr: Any) -> None:
+            sent.append(data)
+            original(data, addr)
+
+        client._send_datagram = counting
+        async with trio.open_nursery() as writers:
+            for stream in streams:
+                writers.start_soon(functools.partial(stream.send, b"x" * 40, end=True))
+        client._send_datagram = original
+        assert 1 <= len(sent) <= 3, len(sent)
+        answers = [await read_all(stream) for stream in streams]
+        assert answers == [b"echo:" + b"x" * 40] * 20
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reset_sends_what_was_written_before_it_first() -> None:
+    """A stream cut right after a write (a Pylon's output timeout) still delivers that write:
+    the reset does not discard what the turn queued."""
+    async with quic_pair() as (client, server):
+        stream = await client.open_stream()
+        await stream.send(b"hello")
+        accepted = await server.accept_stream()
+        assert await accepted.receive() == b"hello"
+        reply = await client.open_stream()
+        await reply.send(b"last words")
+        reply.reset(0)
+        peer = await server.accept_stream()
+        received = b""
+        with suppress(StreamReset):
+            while chunk := await peer.receive():
+                received += chunk
+        assert received == b"last words"
