@@ -84,7 +84,7 @@ from stargate.pylon.snapshot import (
     watch_candidates,
 )
 from stargate.pylon.stats.aggregator import StatsAggregator, StatsConfig
-from stargate.pylon.tunnel import ReverseEndpoint
+from stargate.pylon.tunnel import EndpointWatch
 from stargate.upstream import ConnectionPool, UpstreamConfig
 
 __all__ = [
@@ -924,7 +924,7 @@ class Pylon:
             reader: ResponseReader[pb.InferenceServerAck] = ResponseReader(
                 call, f"pylon-register-{replica.authority}"
             )
-            endpoint = _LatestEndpoint()
+            endpoint = EndpointWatch()
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_snapshots, outbox, replica)
@@ -935,7 +935,9 @@ class Pylon:
                             return item, acked
                         if (
                             self.config.tunnel.connectivity == "reverse"
-                            and endpoint.update(item)
+                            and endpoint.update(
+                                item.reverse_tunnel_target, item.reverse_tunnel_pylon_dial_addr
+                            )
                             and not endpoint.started
                         ):
                             endpoint.started = True
@@ -963,7 +965,7 @@ class Pylon:
             outbox.close()
             channel.close()
 
-    async def _reverse_tunnel(self, replica: ReplicaInfo, endpoint: _LatestEndpoint) -> None:
+    async def _reverse_tunnel(self, replica: ReplicaInfo, endpoint: EndpointWatch) -> None:
         """Keep a reverse tunnel to `replica` while its registration stream is up: dial where its
         latest ack says, serve the streams it opens, redial with a backoff (docs/tunnels.md)."""
         from stargate.pylon.tunnel import ReverseTunnels
@@ -988,7 +990,7 @@ class Pylon:
             on_change=changed,
         )
         try:
-            await tunnels.run_for(replica.name, endpoint.wait)
+            await tunnels.run_for(replica.name, endpoint)
         finally:
             self._reverse_connected.discard(replica)
 
@@ -1000,31 +1002,6 @@ class Pylon:
             outbox.put(self.registration(replica))
             with trio.move_on_after(self.config.heartbeat_seconds):
                 await changed.wait()
-
-
-class _LatestEndpoint:
-    """The reverse endpoint named by a replica's latest ack (`reverse_tunnel_target`,
-    `reverse_tunnel_pylon_dial_addr`); `wait` returns it once there is one."""
-
-    def __init__(self) -> None:
-        self.current: ReverseEndpoint | None = None
-        self.started = False
-        self._known = trio.Event()
-
-    def update(self, ack: pb.InferenceServerAck) -> bool:
-        """Take `ack`'s endpoint; True when it names one."""
-        target = ack.reverse_tunnel_target.strip()
-        if not target:
-            return False
-        dial = ack.reverse_tunnel_pylon_dial_addr.strip() or target
-        self.current = ReverseEndpoint(target, dial)
-        self._known.set()
-        return True
-
-    async def wait(self) -> ReverseEndpoint:
-        await self._known.wait()
-        assert self.current is not None
-        return self.current
 
 
 async def run_pylon(

@@ -15,7 +15,7 @@ connection. The replica resetting or stopping a stream cancels its hop (and the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # aioquic loads only when a tunnel is served (the sidecar imp
 
 __all__ = [
     "REVERSE_CONNECT_TIMEOUT_SECONDS",
+    "EndpointWatch",
     "HandshakeRejected",
     "ReverseEndpoint",
     "dial_reverse",
@@ -119,6 +120,38 @@ class ReverseEndpoint:
         return derive_sni(_split_host_port(source)[0])
 
 
+class EndpointWatch:
+    """The reverse endpoint named by a replica's latest ack: `wait` returns it once there is
+    one, `wait_changed` returns when a later ack names another (the tunnel is then redialed)."""
+
+    def __init__(self) -> None:
+        self.current: ReverseEndpoint | None = None
+        self.started = False
+        self._changed = trio.Event()
+
+    def update(self, target: str, dial_addr: str) -> bool:
+        """Take an ack's `reverse_tunnel_target` and `reverse_tunnel_pylon_dial_addr` (the target
+        when empty); True when the ack names an endpoint."""
+        target = target.strip()
+        if not target:
+            return False
+        endpoint = ReverseEndpoint(target, dial_addr.strip() or target)
+        if endpoint != self.current:
+            self.current = endpoint
+            self._changed.set()
+            self._changed = trio.Event()
+        return True
+
+    async def wait(self) -> ReverseEndpoint:
+        while self.current is None:
+            await self._changed.wait()
+        return self.current
+
+    async def wait_changed(self, since: ReverseEndpoint) -> None:
+        while self.current == since:
+            await self._changed.wait()
+
+
 def _split_host_port(address: str) -> tuple[str, int]:
     host, _, port = address.strip().rpartition(":")
     return host.strip("[]"), int(port)
@@ -186,22 +219,30 @@ class ReverseTunnels:
         self.connected: set[str] = set()
         """Replicas (by name) whose reverse tunnel is up: only they see the models ACTIVE."""
 
-    async def run_for(
-        self, replica: str, endpoint: Callable[[], Awaitable[ReverseEndpoint]]
-    ) -> None:
-        """Keep `replica`'s tunnel up; `endpoint()` waits for the latest ack's endpoint."""
+    async def run_for(self, replica: str, endpoint: EndpointWatch) -> None:
+        """Keep `replica`'s tunnel up at the endpoint its latest ack names; a changed endpoint
+        tears the tunnel down and redials at once."""
         from stargate.tunnel.quic import ConnectFailed
 
         backoff = Backoff(REVERSE_BACKOFF_INITIAL_SECONDS, REVERSE_BACKOFF_CAP_SECONDS)
         last: ReverseEndpoint | None = None
         while True:
-            current = await endpoint()
+            current = await endpoint.wait()
             if current != last:
                 backoff.reset()
                 last = current
             started = trio.current_time()
             try:
-                await self._connect_and_serve(replica, current, ConnectFailed)
+                async with trio.open_nursery() as watch:
+
+                    async def redial_on_change(endpoint_now: ReverseEndpoint = current) -> None:
+                        await endpoint.wait_changed(endpoint_now)
+                        log.info("reverse tunnel endpoint of %s changed: redialing", replica)
+                        watch.cancel_scope.cancel()
+
+                    watch.start_soon(redial_on_change)
+                    await self._connect_and_serve(replica, current, ConnectFailed)
+                    watch.cancel_scope.cancel()
             except Exception:  # a defect: this tunnel redials, the Pylon lives on
                 log.exception("reverse tunnel to %s failed", replica)
             finally:
@@ -210,7 +251,8 @@ class ReverseTunnels:
                     self._on_change()
             if trio.current_time() - started >= REVERSE_STABLE_SECONDS:
                 backoff.reset()
-            await trio.sleep(backoff.next())
+            with trio.move_on_after(backoff.next()):  # a new endpoint is dialed at once
+                await endpoint.wait_changed(current)
 
     async def _connect_and_serve(
         self, replica: str, endpoint: ReverseEndpoint, connect_failed: type[Exception]

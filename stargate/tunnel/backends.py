@@ -57,6 +57,9 @@ __all__ = [
 log = logging.getLogger("stargate.tunnel")
 
 HEALTH_MODEL = "stargate-health"
+QUIC_MATERIAL = "quic_server_identity"
+"""The `material_type` of the QUIC pair's `tls_reloads_total` and `tls_certificate_expiry_seconds`
+(the HTTP and gRPC listeners' pair is `server_identity`)."""
 
 
 Authenticate = Callable[[str | None], Awaitable[str | None]]
@@ -71,10 +74,12 @@ class TunnelMetrics:
         evicted: Callable[[str, str], None] = lambda server_id, reason: None,
         reconnected: Callable[[str, str], None] = lambda server_id, result: None,
         identity_reloaded: Callable[[str], None] = lambda result: None,
+        identity_served: Callable[[float], None] = lambda not_after: None,
     ) -> None:
         self.evicted = evicted
         self.reconnected = reconnected
         self.identity_reloaded = identity_reloaded
+        self.identity_served = identity_served
 
 
 @dataclass(eq=False)
@@ -138,7 +143,10 @@ class TunnelBackends:
             from stargate.tunnel.identity import QuicIdentity
 
             self._quic_identity = QuicIdentity(
-                self.config.cert_path, self.config.key_path, self._metrics.identity_reloaded
+                self.config.cert_path,
+                self.config.key_path,
+                self._metrics.identity_reloaded,
+                self._metrics.identity_served,
             )
         return self._quic_identity
 
@@ -469,7 +477,11 @@ def replica_tunnels(
 
     def reloaded(result: str) -> None:
         if tls is not None:  # created whenever a QUIC pair is mounted
-            tls.reloads.labels(material_type="quic_server_identity", result=result).inc()
+            tls.reloads.labels(material_type=QUIC_MATERIAL, result=result).inc()
+
+    def served(not_after: float) -> None:
+        if tls is not None:
+            tls.certificate_expiry.labels(material_type=QUIC_MATERIAL).set(not_after)
 
     tunnels = TunnelBackends(
         config.tunnels,
@@ -481,6 +493,7 @@ def replica_tunnels(
                 server_id, result
             ).inc(),
             identity_reloaded=reloaded,
+            identity_served=served,
         ),
     )
     if config.tunnels.key_path is not None:

@@ -32,16 +32,21 @@ class QuicIdentity:
         cert_path: Path | None,
         key_path: Path | None,
         on_reload: Callable[[str], None] = lambda result: None,
+        on_served: Callable[[float], None] = lambda not_after: None,
     ) -> None:
+        """`on_reload("success" | "rejected")` after each changed pair; `on_served(not_after)`
+        (unix seconds) whenever a mounted pair starts being served."""
         self._cert_path = cert_path
         self._key_path = key_path
         self._on_reload = on_reload
+        self._on_served = on_served
         self._pair: tuple[bytes, bytes] | None = None
         self._rejected: tuple[bytes, bytes] | None = None
         if cert_path is not None and key_path is not None:
             pair = (cert_path.read_bytes(), key_path.read_bytes())
             server_configuration(*pair, alpn=None)  # refuse an unusable pair at start-up
             self._pair = pair
+            on_served(_not_after(pair[0]))
 
     def trust_pem(self) -> bytes | None:
         """The certificates a client dialing out trusts: the `--tls-cert-path` file."""
@@ -76,8 +81,16 @@ class QuicIdentity:
         self._pair = pair
         log.info("QUIC TLS identity reloaded; new connections use it")
         self._on_reload("success")
+        self._on_served(_not_after(pair[0]))
 
     async def reload_every(self, interval_ms: int) -> None:
         while True:
             await trio.sleep(interval_ms / 1000)
             self.poll()
+
+
+def _not_after(cert_pem: bytes) -> float:
+    """The first certificate's notAfter, in unix seconds."""
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.timestamp()

@@ -391,3 +391,10 @@ def test_verified_tls_with_sni_and_an_alpn_mismatch(fleet: Fleet, tmp_path: Path
     )
     time.sleep(1.0)  # a few heartbeats: still only the trusted two
     assert routing_view(replica).keys() == {good.id, direct.id}
+    # The mounted QUIC pair's expiry is exported under its own material type (docs/tunnels.md).
+    metrics = httpx.get(f"http://127.0.0.1:{replica.ports.metrics}/metrics").text
+    expiry = re.search(
+        r'stargate_tls_certificate_expiry_seconds\{material_type="quic_server_identity"\} (\S+)',
+        metrics,
+    )
+    assert expiry is not None and float(expiry.group(1)) > time.time() + 365 * 86400
