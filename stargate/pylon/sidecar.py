@@ -307,6 +307,13 @@ class Pylon:
         self._stop = trio.Event()
         self._hop: PylonHop | None = None
         self._reverse_connected: set[ReplicaInfo] = set()
+        # The tunnels (docs/tunnels.md) live in the serving nursery, beside the HTTP listener, so
+        # a graceful stop drains their streams as it drains the listener's requests.
+        self._serving: trio.Nursery | None = None
+        self._tunnel_scopes: dict[ReplicaInfo | None, trio.CancelScope] = {}
+        self._reverse_watches: dict[ReplicaInfo, EndpointWatch] = {}
+        self.tunnel_connections: set[QuicConnection] = set()
+        """Tunnel connections being served (direct or reverse): what a graceful stop drains."""
         if config.tunnel.connectivity == "reverse":
             self.url = config.upstream_url  # the Rust Pylon registers its engine's URL
 
@@ -413,6 +420,7 @@ class Pylon:
                 self._pool = pool
                 hop = PylonHop(hop_config, pool, self.stats, pending=self._pending)
                 self._hop = hop
+                self._serving = serving
                 if config.tunnel.connectivity == "direct":
                     await serving.start(self._serve_direct_tunnel, hop)
                 served = hypercorn_config(DRAIN_SECONDS)
@@ -440,6 +448,7 @@ class Pylon:
                         task_status.started()
                 finally:
                     draining.set()  # the registrations are closed: drain the listener
+                    await self._drain_tunnels()
         finally:
             sock.close()
 
@@ -457,9 +466,14 @@ class Pylon:
         listen = tunnel.quic_listen_addr
 
         async def serve(connection: QuicConnection) -> None:
-            await serve_connection(connection, hop, tunnel.protocol)
+            self.tunnel_connections.add(connection)
+            try:
+                await serve_connection(connection, hop, tunnel.protocol)
+            finally:
+                self.tunnel_connections.discard(connection)
 
         async with trio.open_nursery() as nursery:
+            self._tunnel_scopes[None] = nursery.cancel_scope
             server = await nursery.start(
                 QuicServer.serve,
                 listen.host,
@@ -475,6 +489,15 @@ class Pylon:
             if tunnel.cert_path is not None:
                 nursery.start_soon(identity.reload_every, 30_000)
             task_status.started()
+
+    async def _drain_tunnels(self) -> None:
+        """After the registrations closed: let the streams in flight on every tunnel finish (at
+        most `DRAIN_SECONDS`; the replicas send no new ones), then close the tunnels."""
+        with trio.move_on_after(DRAIN_SECONDS):
+            while any(c.open_request_streams for c in self.tunnel_connections):  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        for scope in self._tunnel_scopes.values():
+            scope.cancel()
 
     def _start_side_channels(self, nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
         channels = self.config.side_channels
@@ -863,6 +886,7 @@ class Pylon:
                         )
                         if self._registrations.get(replica) is task:
                             del self._registrations[replica]
+                        self._drop_reverse(replica)
                         return
                     graceful = acked and end.error is None
                     if graceful or (
@@ -924,7 +948,6 @@ class Pylon:
             reader: ResponseReader[pb.InferenceServerAck] = ResponseReader(
                 call, f"pylon-register-{replica.authority}"
             )
-            endpoint = EndpointWatch()
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_snapshots, outbox, replica)
@@ -933,15 +956,8 @@ class Pylon:
                             ended = True
                             nursery.cancel_scope.cancel()
                             return item, acked
-                        if (
-                            self.config.tunnel.connectivity == "reverse"
-                            and endpoint.update(
-                                item.reverse_tunnel_target, item.reverse_tunnel_pylon_dial_addr
-                            )
-                            and not endpoint.started
-                        ):
-                            endpoint.started = True
-                            nursery.start_soon(self._reverse_tunnel, replica, endpoint)
+                        if self.config.tunnel.connectivity == "reverse":
+                            self._reverse_endpoint(replica, item)
                         if not acked:
                             acked = True
                             self._registered.add(replica)
@@ -965,9 +981,29 @@ class Pylon:
             outbox.close()
             channel.close()
 
-    async def _reverse_tunnel(self, replica: ReplicaInfo, endpoint: EndpointWatch) -> None:
-        """Keep a reverse tunnel to `replica` while its registration stream is up: dial where its
-        latest ack says, serve the streams it opens, redial with a backoff (docs/tunnels.md)."""
+    def _reverse_endpoint(self, replica: ReplicaInfo, ack: pb.InferenceServerAck) -> None:
+        """Take the reverse endpoint an ack of `replica` names; the first one starts the tunnel
+        to it (kept until the replica is dropped or the Pylon stops)."""
+        watch = self._reverse_watches.get(replica)
+        if watch is None:
+            watch = self._reverse_watches[replica] = EndpointWatch()
+        if not watch.update(ack.reverse_tunnel_target, ack.reverse_tunnel_pylon_dial_addr):
+            return
+        if replica not in self._tunnel_scopes and self._serving is not None:
+            scope = self._tunnel_scopes[replica] = trio.CancelScope()
+            self._serving.start_soon(self._reverse_tunnel, replica, watch, scope)
+
+    def _drop_reverse(self, replica: ReplicaInfo) -> None:
+        scope = self._tunnel_scopes.pop(replica, None)
+        if scope is not None:
+            scope.cancel()
+        self._reverse_watches.pop(replica, None)
+
+    async def _reverse_tunnel(
+        self, replica: ReplicaInfo, endpoint: EndpointWatch, scope: trio.CancelScope
+    ) -> None:
+        """Keep a reverse tunnel to `replica`: dial where its latest ack says, serve the streams
+        it opens, redial with a backoff (docs/tunnels.md)."""
         from stargate.pylon.tunnel import ReverseTunnels
 
         tunnel = self.config.tunnel
@@ -988,9 +1024,11 @@ class Pylon:
             insecure=tunnel.insecure,
             trust_pem=trust,
             on_change=changed,
+            connections=self.tunnel_connections,
         )
         try:
-            await tunnels.run_for(replica.name, endpoint)
+            with scope:
+                await tunnels.run_for(replica.name, endpoint)
         finally:
             self._reverse_connected.discard(replica)
 

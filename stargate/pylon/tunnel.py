@@ -208,8 +208,10 @@ class ReverseTunnels:
         insecure: bool,
         trust_pem: bytes | None,
         on_change: Callable[[], None],
+        connections: set[QuicConnection] | None = None,
     ) -> None:
         self._hop = hop
+        self._connections: set[QuicConnection] = set() if connections is None else connections
         self._server_id = server_id
         self._token = token
         self._protocol = protocol
@@ -286,6 +288,10 @@ class ReverseTunnels:
             self._on_change()
             hop = self._hop()
             assert hop is not None
-            await serve_connection(connection, hop, self._protocol)
+            self._connections.add(connection)
+            try:
+                await serve_connection(connection, hop, self._protocol)
+            finally:
+                self._connections.discard(connection)
             log.warning("reverse tunnel to %s closed", replica)
             nursery.cancel_scope.cancel()

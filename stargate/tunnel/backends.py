@@ -205,7 +205,10 @@ class TunnelBackends:
         self._by_id[registration.identity.inference_server_id] = tunnel
 
     def end(self, registration: Registration) -> None:
-        """The registration ended: close its direct set, retire its reverse slot."""
+        """The registration ended: retire its reverse slot, and close its connections once the
+        requests in flight on them are done (a Pylon that closes its registrations on SIGTERM
+        still finishes its streams; the Rust rule that a retired registration does not cut a
+        streaming body)."""
         tunnel = self._tunnels.pop(registration, None)
         if tunnel is None:
             return
@@ -213,9 +216,19 @@ class TunnelBackends:
             del self._by_id[registration.identity.inference_server_id]
         tunnel.reverse.retire()
         for link in tunnel.links:
-            link.close()
+            self._retire(link)
         tunnel.links = []
         tunnel.wake()
+
+    def _retire(self, link: TunnelLink) -> None:
+        """No new request goes to `link`; it closes once its requests in flight are done."""
+        if self._nursery is None:
+            link.close()
+            return
+        try:
+            self._nursery.start_soon(_close_when_idle, link)
+        except RuntimeError:  # the replica is closing its tunnels: everything closes now
+            link.close()
 
     # ---------------------------------------------------------------------------------- gating
 
@@ -278,8 +291,8 @@ class TunnelBackends:
                     link.close()
                 return False
             old, tunnel.links = tunnel.links, links
-            for link in old:
-                link.close()
+            for link in old:  # requests in flight keep their own connection until done
+                self._retire(link)
             tunnel.direct.dialed()
             tunnel.wake()
             return True
@@ -504,3 +517,15 @@ def replica_tunnels(
                 f"--quic-tls-cert-path/--quic-tls-key-path cannot be served: {error}"
             ) from None
     return tunnels
+
+
+RETIRED_LINK_GRACE_SECONDS = 600.0
+"""How long a retired connection may stay open for the requests still on it (a stream of many
+minutes is cut after this)."""
+
+
+async def _close_when_idle(link: TunnelLink) -> None:
+    with trio.move_on_after(RETIRED_LINK_GRACE_SECONDS):
+        while link.healthy and link.open_requests > 0:  # noqa: ASYNC110 - no event for it
+            await trio.sleep(0.5)
+    link.close()

@@ -364,6 +364,11 @@ class Http3Link(_Endpoint[_Exchange]):
         """QUIC is open, the H3 layer has not failed, and the link was not closed."""
         return not self._closed and self.connection.is_open and not self.h3.failed
 
+    @property
+    def open_requests(self) -> int:
+        """Requests in flight on this connection (their bidirectional streams not finished)."""
+        return self.connection.open_request_streams
+
     def close(self) -> None:
         """Close the connection (H3_NO_ERROR) and fail every open exchange. Never waits."""
         self._closed = True

@@ -23,6 +23,11 @@ class TunnelLink(Protocol):
     @property
     def healthy(self) -> bool: ...
 
+    @property
+    def open_requests(self) -> int:
+        """Requests in flight on this connection (their streams not finished)."""
+        ...
+
     async def request(
         self,
         method: str,
@@ -47,6 +52,10 @@ class RawQuicLink:
     @property
     def healthy(self) -> bool:
         return self.connection.is_open
+
+    @property
+    def open_requests(self) -> int:
+        return self.connection.open_request_streams
 
     async def request(
         self,

@@ -343,42 +343,23 @@ def test_verified_tls_with_sni_and_an_alpn_mismatch(fleet: Fleet, tmp_path: Path
         f"--quic-tls-cert-path={paths['cert']}",
         f"--quic-tls-key-path={paths['key']}",
     )
-    quiet = ("--canary-interval-ms", "0")
-    good = fleet.pylon(
-        fleet.engine().url,
-        replica,
-        "--backend-connectivity=reverse",
-        "--tls-cert-path",
-        str(paths["cert"]),
-        *quiet,
-    )
-    untrusted = fleet.pylon(
-        fleet.engine().url,
-        replica,
-        "--backend-connectivity=reverse",
-        "--tls-cert-path",
-        str(paths["other"]),
-        *quiet,
-    )
-    wrong_protocol = fleet.pylon(
-        fleet.engine().url,
-        replica,
-        "--backend-connectivity=reverse",
-        "--tunnel-protocol=http3",
-        "--quic-insecure",
-        *quiet,
-    )
+
+    def pylon(connectivity: str, *flags: str) -> Pylon:
+        return fleet.pylon(
+            fleet.engine().url,
+            replica,
+            f"--backend-connectivity={connectivity}",
+            "--canary-interval-ms",
+            "0",
+            *flags,
+        )
+
+    good = pylon("reverse", "--tls-cert-path", str(paths["cert"]))
+    untrusted = pylon("reverse", "--tls-cert-path", str(paths["other"]))
+    wrong_protocol = pylon("reverse", "--tunnel-protocol=http3", "--quic-insecure")
     # Direct, verified: the Pylon serves the same pair, the replica trusts it.
-    direct = fleet.pylon(
-        fleet.engine().url,
-        replica,
-        "--backend-connectivity=direct",
-        "--tls-cert-path",
-        str(paths["cert"]),
-        "--tls-key-path",
-        str(paths["key"]),
-        *quiet,
-    )
+    pair = ("--tls-cert-path", str(paths["cert"]), "--tls-key-path", str(paths["key"]))
+    direct = pylon("direct", *pair)
     wait_routable(replica, 2)
     wait_until(
         lambda: (
@@ -398,3 +379,36 @@ def test_verified_tls_with_sni_and_an_alpn_mismatch(fleet: Fleet, tmp_path: Path
         metrics,
     )
     assert expiry is not None and float(expiry.group(1)) > time.time() + 365 * 86400
+
+
+@pytest.mark.parametrize(("connectivity", "protocol"), COMBINATIONS[:2])
+def test_a_pylon_stopped_with_sigterm_finishes_its_streams(
+    fleet: Fleet, connectivity: str, protocol: str
+) -> None:
+    """SIGTERM closes the Pylon's registrations at once (the replica stops routing to it), and
+    the streams in flight through its tunnel run to their end: the replica keeps a retired
+    registration's connection until its requests are done, and the Pylon drains its tunnel."""
+    replica, pylon, engine = tunneled(
+        fleet, connectivity, protocol, "--tokens", "20", "--inter-token-ms", "100"
+    )
+    results: list[tuple[int, str]] = []
+
+    def one() -> None:
+        with httpx.stream(
+            "POST",
+            f"http://127.0.0.1:{replica.ports.http}/v1/chat/completions",
+            json=chat(),
+            timeout=30,
+        ) as response:
+            results.append((response.status_code, "".join(response.iter_text())))
+
+    streaming = threading.Thread(target=one)
+    streaming.start()
+    wait_until(
+        lambda: httpx.get(engine.url + "/test-control").json()["in_flight"] == 1, 5, "a stream"
+    )
+    pylon.process.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: replica.list_models(MODEL) == [], 3, "the registration closed")
+    streaming.join()
+    assert results[0][0] == 200 and "[DONE]" in results[0][1]  # the stream ran to its end
+    assert pylon.process.process.wait(timeout=15) == 0

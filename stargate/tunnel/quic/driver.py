@@ -152,6 +152,12 @@ class QuicConnection:
         """Why the connection is closing ("" while it is not)."""
         return self._close_reason
 
+    @property
+    def open_request_streams(self) -> int:
+        """Bidirectional streams aioquic still holds (neither finished nor discarded): the
+        requests in flight on this connection."""
+        return sum(1 for stream_id in self._quic._streams if not stream_id & 2)
+
     async def wait_closed(self) -> None:
         """Wait until the connection is terminated and its task has finished with it."""
         await self._closed.wait()

@@ -79,6 +79,8 @@ class FakeLink:
     def die(self) -> None:
         self.healthy = False
 
+    open_requests = 0
+
     async def request(
         self,
         method: str,
@@ -323,3 +325,26 @@ def test_quic_registrations_need_a_way_to_check_the_pylon() -> None:
     )
     reverse = RegistrationIdentity("r", "r", ENGINE_URL, None, reverse_tunnel=True)
     assert verified.admit(reverse) == "reverse tunnel flag set but no reverse tunnel config"
+
+
+async def test_a_retired_connection_closes_once_its_requests_are_done(
+    autojump_clock: MockClock,
+) -> None:
+    """A registration that ends (a Pylon stopping, closing its registrations first) does not cut
+    the streams in flight on its connections; they close once those are done."""
+    tunnels = Dialer(TunnelConfig(insecure=True))
+    state = RoutingState()
+    direct = state.begin(RegistrationIdentity("d", "d", DIRECT_URL, None))
+    tunnels.begin(direct)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tunnels.run)
+        await tunnels.request(direct, "POST", b"/v1/chat/completions", [], b"{}")
+        link = tunnels.links[0]
+        link.open_requests = 1  # a stream still running
+        tunnels.end(direct)
+        await trio.sleep(30)
+        assert not link.closed
+        link.open_requests = 0
+        await trio.sleep(1)
+        assert link.closed
+        nursery.cancel_scope.cancel()
