@@ -390,7 +390,7 @@ class Pylon:
                 config.inference_server_id,
                 config.upstream_url,
                 bound,
-                self.url,
+                self.url or "the direct tunnel's quic:// address (below)",
                 ", ".join(str(seed) for seed in config.stargates),
                 f"models {list(self.models)}" if self.models else "models from GET /v1/models",
                 config.min_update_interval_ms,
@@ -966,7 +966,11 @@ class Pylon:
                                 replica.name,
                                 self.config.inference_server_id,
                                 len(self.admitted),
-                                "ACTIVE" if self.healthy else "INACTIVE",
+                                "ACTIVE"
+                                if self.healthy and self.config.tunnel.connectivity != "reverse"
+                                else "INACTIVE until its reverse tunnel is up"
+                                if self.healthy
+                                else "INACTIVE",
                             )
                 return StreamEnded(), acked  # pragma: no cover - the reader always sends an end
             finally:
