@@ -91,6 +91,16 @@ _rng = random.Random()
 _handed_out: set[int] = set()
 
 
+BIND_ATTEMPTS = 3
+"""A process whose picked port was taken before it bound it (by a process of another test run on
+the same machine: the ports of one run never collide) is started again on fresh ports."""
+
+
+def lost_a_port(process: StargateProcess) -> bool:
+    """Whether `process` exited because a port picked for it was taken meanwhile."""
+    return process.process.poll() is not None and "Address already in use" in process.log
+
+
 @dataclass
 class StargateProcess:
     """A `stargate` subprocess with its log captured to a file."""
@@ -196,14 +206,30 @@ class Replica:
 
     def __init__(self, log_dir: Path, name: str, *extra: str, ports: Ports | None = None) -> None:
         self.name = name
-        self.ports = ports or Ports.pick()
         self.extra = extra
         self.log_dir = log_dir
-        self.process = self._launch()
+        for attempt in range(1 if ports is not None else BIND_ATTEMPTS):
+            self.ports = ports or Ports.pick()
+            self.process = self._launch()
+            if not self._lost_a_port_at_start() or attempt + 1 == BIND_ATTEMPTS:
+                break
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.ports.discovery}")
         self.discovery = pb_grpc.StargateModelDiscoveryStub(self.channel)  # type: ignore[no-untyped-call]
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.ports.http}", timeout=5)
         self.wait_up()
+
+    def _lost_a_port_at_start(self) -> bool:
+        """Wait until the replica serves or exits; True if it exited for a taken port."""
+        deadline = time.monotonic() + 15
+        url = f"http://127.0.0.1:{self.ports.http}/healthz"
+        while time.monotonic() < deadline and self.process.process.poll() is None:
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return False
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        return lost_a_port(self.process)
 
     def _launch(self) -> StargateProcess:
         return launch(

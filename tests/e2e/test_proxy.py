@@ -17,11 +17,13 @@ import pytest
 import trio
 
 from tests.e2e.processes import (
+    BIND_ATTEMPTS,
     MockBackendProcess,
     Ports,
     StargateProcess,
     launch,
     launch_mock_backend,
+    lost_a_port,
     stop,
     wait_until,
 )
@@ -56,26 +58,32 @@ class ProxyReplica:
 
 
 def start_proxy_replica(log_dir: Path, *extra: str) -> ProxyReplica:
-    ports = Ports.pick()
-    process = launch(
-        log_dir / f"proxy-{ports.http}.log",
-        "serve",
-        *ports.args(),
-        "--readiness-warmup-ms=0",
-        "--disable-dns-discovery",
-        "--registration-update-idle-timeout-ms=0",
-        *extra,
-    )
-    replica = ProxyReplica(process, ports)
+    for attempt in range(BIND_ATTEMPTS):
+        ports = Ports.pick()
+        process = launch(
+            log_dir / f"proxy-{ports.http}.log",
+            "serve",
+            *ports.args(),
+            "--readiness-warmup-ms=0",
+            "--disable-dns-discovery",
+            "--registration-update-idle-timeout-ms=0",
+            *extra,
+        )
+        replica = ProxyReplica(process, ports)
 
-    def serving() -> bool:
-        code = process.process.poll()
-        if code is not None:  # say why at once, rather than time out on a dead process
-            raise AssertionError(f"the replica exited with {code}:\n{process.log[-3000:]}")
-        return httpx.get(f"{replica.base}/healthz").status_code == 200
+        def serving(process: StargateProcess = process, replica: ProxyReplica = replica) -> bool:
+            code = process.process.poll()
+            if code is not None:  # say why at once, rather than time out on a dead process
+                raise AssertionError(f"the replica exited with {code}:\n{process.log[-3000:]}")
+            return httpx.get(f"{replica.base}/healthz").status_code == 200
 
-    wait_until(serving, 15, "the replica")
-    return replica
+        try:
+            wait_until(serving, 15, "the replica")
+            return replica
+        except AssertionError:
+            if attempt + 1 == BIND_ATTEMPTS or not lost_a_port(process):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 @pytest.fixture(scope="module")
