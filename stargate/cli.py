@@ -388,9 +388,8 @@ SERVE = Settings(
         "--reverse-tunnel-listen-addr",
         env="STARGATE_REVERSE_TUNNEL_LISTEN_ADDR",
         to="tunnels.reverse_listen_addr",
-        parse=trimmed,
+        type=LISTEN_ADDRESS,
         section="Tunnels",
-        metavar="IP:PORT",
         help="UDP address of the reverse tunnel listener (needs --backend-connectivity reverse).",
     ),
     Setting(

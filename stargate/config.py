@@ -526,7 +526,7 @@ class TunnelConfig:
     protocol: TunnelProtocol = TunnelProtocol.RAW_QUIC
     connectivity: Connectivity = Connectivity.DIRECT
     direct_connections: int = 1
-    reverse_listen_addr: str | None = None
+    reverse_listen_addr: ListenAddress | None = None
     reverse_pylon_dial_addr: str | None = None
     reverse_connect_timeout_ms: int = 10_000
     connect_timeout_ms: int = 2_000

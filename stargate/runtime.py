@@ -155,6 +155,11 @@ class Replica:
                 lb_config.default.name,
                 len(lb_config.models),
             )
+        authenticator = registration_authenticator(config)
+        # quic:// and reverse backends (docs/tunnels.md): the QUIC machinery loads on first use.
+        self.tunnels = replica_tunnels(
+            config, authenticator.authenticate, self._advertised_host, self.registry, tls_metrics
+        )
         self.forwarder = Forwarder(
             self.routing,
             self.upstream,
@@ -163,6 +168,7 @@ class Replica:
             self.metrics.proxy,
             on_dispatch_failure=lambda model_id: self.pools.invalidate_resident(model_id),
             capacity=self.upstream,
+            tunnels=self.tunnels,
         )
         self.member_availability = MemberAvailability()
         self.pools = ReplicaPools(
@@ -173,12 +179,6 @@ class Replica:
         )
         self.activator: Activator | None = None
         self._relay: OwnerRelay | None = None  # with shared pools (proxy/owner_relay.py)
-        authenticator = registration_authenticator(config)
-        # quic:// and reverse backends (docs/tunnels.md): the QUIC machinery loads on first use.
-        self.tunnels = replica_tunnels(
-            config, authenticator.authenticate, self._advertised_host, self.registry, tls_metrics
-        )
-        self.forwarder.attach_tunnels(self.tunnels)
         self.registrations = RegistrationService(
             self.routing,
             authenticator,

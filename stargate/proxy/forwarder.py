@@ -325,10 +325,6 @@ class Forwarder:
         self._backend_counters: dict[tuple[RoutingTargetKey, str], int] = {}
         self.head_waits = HeadWaits()
 
-    def attach_tunnels(self, tunnels: TunnelTransport) -> None:
-        """Reach tunnel backends through `tunnels` (built after the forwarder by the runtime)."""
-        self._tunnels = tunnels
-
     def forget_target(self, target: RoutingTargetKey) -> None:
         """The target emptied: its load-balancer state and cluster counters start afresh."""
         self._balancers.forget(target)

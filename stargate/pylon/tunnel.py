@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from stargate.addresses import parse_host_port
 from stargate.asgi import BodyTooLarge
 from stargate.config import TunnelProtocol
 from stargate.pylon.backoff import Backoff
@@ -112,12 +113,11 @@ class ReverseEndpoint:
 
     @property
     def sni(self) -> str:
-        """The Rust rule: the target's host when the dial address differs, else the dial
-        address's; an IP literal or `localhost` becomes `stargate`."""
+        """The Rust rule: the target's host (which is the dial address's when the two are the
+        same); an IP literal or `localhost` becomes `stargate`."""
         from stargate.tunnel.quic.tls import derive_sni
 
-        source = self.target if self.dial_addr != self.target else self.dial_addr
-        return derive_sni(_split_host_port(source)[0])
+        return derive_sni(self.target)
 
 
 class EndpointWatch:
@@ -152,11 +152,6 @@ class EndpointWatch:
             await self._changed.wait()
 
 
-def _split_host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.strip().rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 async def dial_reverse(
     nursery: trio.Nursery,
     endpoint: ReverseEndpoint,
@@ -173,7 +168,9 @@ async def dial_reverse(
     from stargate.tunnel.quic import connect
     from stargate.tunnel.quic.tls import client_configuration
 
-    host, port = _split_host_port(endpoint.dial_addr)
+    # A malformed address in an ack is an AddressError: logged, and the loop backs off.
+    dial = parse_host_port(endpoint.dial_addr, names=True, min_port=1)
+    host, port = dial.host, dial.port
     configuration = client_configuration(
         insecure=insecure, trust_pem=trust_pem, server_name=endpoint.sni, alpn=protocol.alpn
     )

@@ -160,12 +160,12 @@ class TunnelBackends:
             if self.config.reverse:
                 from stargate.tunnel.quic import QuicServer
 
-                assert self.config.reverse_listen_addr is not None
-                host, _, port = self.config.reverse_listen_addr.rpartition(":")
+                listen = self.config.reverse_listen_addr
+                assert listen is not None
                 server = await nursery.start(
                     QuicServer.serve,
-                    host.strip("[]"),
-                    int(port),
+                    listen.host,
+                    listen.port,
                     lambda: self._identity.server_configuration(self.config.protocol.alpn),
                     self._accept_reverse,
                 )

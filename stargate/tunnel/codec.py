@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_HEADER_ENTRIES",
     "MAX_LIST_BYTES",
+    "TOKEN_CHARS",
     "BodyMessage",
     "GrammarState",
     "HeadersMessage",
@@ -300,8 +301,11 @@ class _Segment:
 
 
 # A header name's bytes: token characters map to themselves lower-cased, all others to NUL.
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-_NAME_TABLE = bytes(c if c in _TOKEN else 0 for c in range(256)).lower()
+TOKEN_CHARS = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+)
+"""The bytes of an HTTP token (RFC 9110): header names, and the method of a raw-quic head."""
+_NAME_TABLE = bytes(c if c in TOKEN_CHARS else 0 for c in range(256)).lower()
 _BAD_VALUE = re.compile(rb"[^\t\x20-\x7e]")
 
 

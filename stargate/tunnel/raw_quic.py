@@ -25,6 +25,7 @@ import trio
 from stargate.asgi import BodyTooLarge
 from stargate.http_headers import Headers
 from stargate.tunnel.codec import (
+    TOKEN_CHARS,
     BodyMessage,
     HeadersMessage,
     MessageReader,
@@ -217,9 +218,6 @@ class BadTunnelRequest(Exception):
     """A request head without a valid `x-method` or `x-path`: the stream is reset, unanswered."""
 
 
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
 class TunnelRequestReader:
     """The Pylon's reading side of one raw-quic stream."""
 
@@ -247,7 +245,7 @@ class TunnelRequestReader:
                 headers.append((name, value))
         if method is None:
             raise BadTunnelRequest("missing required x-method header")
-        if not method or not set(method) <= _TOKEN:
+        if not method or not set(method) <= TOKEN_CHARS:
             raise BadTunnelRequest("invalid x-method header")
         if target is None:
             raise BadTunnelRequest("missing required x-path header")

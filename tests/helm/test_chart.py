@@ -596,7 +596,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
         protocol=TunnelProtocol.HTTP3,
         connectivity=Connectivity.REVERSE,
         direct_connections=3,
-        reverse_listen_addr="0.0.0.0:15072",
+        reverse_listen_addr=ListenAddress("0.0.0.0", 15072),
         reverse_pylon_dial_addr="udp-lb.example:15072",
         reverse_connect_timeout_ms=0,
         connect_timeout_ms=1_500,
@@ -648,7 +648,7 @@ def test_a_reverse_tunnel_listener_gets_its_udp_ports_and_its_quic_secret(
     code, output, config = cli(substitute(listener.args))
     assert code == 0, output
     assert config is not None and config.tunnels.reverse
-    assert config.tunnels.reverse_listen_addr == "0.0.0.0:15072"
+    assert config.tunnels.reverse_listen_addr == ListenAddress("0.0.0.0", 15072)
     plain = render(chart, {})
     assert not any("tunnel" in arg or "quic" in arg for arg in plain.args)
     assert all(port["protocol"] == "TCP" for port in plain.container["ports"])

@@ -13,7 +13,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from stargate.config import Connectivity, TunnelConfig
+from stargate.config import Connectivity, ListenAddress, TunnelConfig
 from stargate.control_plane.auth import AuthenticationFailed, OpenAuthenticator
 from stargate.control_plane.registration import RegistrationConfig, RegistrationService
 from stargate.health_probe import ProbeFailed
@@ -27,6 +27,7 @@ from tests.unit.control_plane.test_probe_routability import _exchange, _open, _u
 
 M = RoutingTargetKey(None, "m")
 DIRECT_URL = "quic://127.0.0.1:4433"
+LOOPBACK_ANY_PORT = ListenAddress("127.0.0.1", 0)
 ENGINE_URL = "http://127.0.0.1:8080"
 
 
@@ -185,7 +186,7 @@ async def test_a_reverse_backend_is_advertised_first_and_routed_once_its_tunnel_
     config = TunnelConfig(
         insecure=True,
         connectivity=Connectivity.REVERSE,
-        reverse_listen_addr="127.0.0.1:0",
+        reverse_listen_addr=LOOPBACK_ANY_PORT,
         reverse_pylon_dial_addr=" udp-lb:7000 ",
         reverse_connect_timeout_ms=3_000,
     )
@@ -233,7 +234,7 @@ async def test_the_handshake_checks_run_in_the_rust_order(autojump_clock: MockCl
         return keys[token]
 
     config = TunnelConfig(
-        insecure=True, connectivity=Connectivity.REVERSE, reverse_listen_addr="127.0.0.1:0"
+        insecure=True, connectivity=Connectivity.REVERSE, reverse_listen_addr=LOOPBACK_ANY_PORT
     )
     tunnels = TunnelBackends(config, authenticate)
     state = RoutingState()
@@ -300,7 +301,7 @@ async def test_hot_path_reconnects_and_evictions_are_counted(autojump_clock: Moc
 
 async def test_a_reverse_backend_without_a_tunnel_is_a_connect_failure_never_a_dial() -> None:
     config = TunnelConfig(
-        insecure=True, connectivity=Connectivity.REVERSE, reverse_listen_addr="127.0.0.1:0"
+        insecure=True, connectivity=Connectivity.REVERSE, reverse_listen_addr=LOOPBACK_ANY_PORT
     )
     tunnels = Dialer(config)
     state = RoutingState()
