@@ -2,7 +2,8 @@
 `nox -s bench -- [PART ...] [options]` runs (`nox -s bench-3.13` on Python 3.13).
 
 Without PART it runs the default suite in order: proxy, stream, registration, readiness, activator,
-affinity (each its own module in this package). `routing` (benchmarks/routing.py: routing by real
+affinity, prefix-decision (each its own module in this package; `-` in a name is `_` in the
+module's). `routing` (benchmarks/routing.py: routing by real
 load through real Pylons, and the Pylon hop's cost; about 5 minutes), `tunnels`
 (benchmarks/tunnels.py: the Pylon hop over the QUIC tunnels, raw-quic and http3, against HTTP;
 about 3 minutes) and `capacity` (benchmarks/capacity.py) run only when named. Each part starts its
@@ -42,7 +43,15 @@ from benchmarks.common import (
     write_summary,
 )
 
-DEFAULT_PARTS = ("proxy", "stream", "registration", "readiness", "activator", "affinity")
+DEFAULT_PARTS = (
+    "proxy",
+    "stream",
+    "registration",
+    "readiness",
+    "activator",
+    "affinity",
+    "prefix-decision",
+)
 PARTS = (*DEFAULT_PARTS, "routing", "tunnels", "capacity")
 
 
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 if part == "capacity":
                     run_capacity(suite)
                 else:
-                    module = importlib.import_module(f"benchmarks.{part}")
+                    module = importlib.import_module(f"benchmarks.{part.replace('-', '_')}")
                     result: PartResult = module.run(suite)
                     path = write_part(result, suite)
                     print(f"\n{path.read_text()}")

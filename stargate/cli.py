@@ -548,18 +548,26 @@ SERVE = Settings(
         env="STARGATE_DERIVE_AFFINITY_KEY",
         to="proxy.derive_affinity_key",
         kind="switch",
-        help="Route a request without x-cache-affinity-key as if it carried one derived from a "
-        "hash of its prompt's start (system/developer messages, then the first "
-        "--derive-affinity-key-bytes of the conversation), so cache-affinity balancers keep a "
-        "conversation's turns together. Routing only: nothing is added upstream.",
+        help="Route a request without x-cache-affinity-key as if it carried one derived from "
+        "its prompt: a hash of its opening (system/developer messages and the first user turn), "
+        "the same for every turn of a conversation, plus a chain of block hashes for the "
+        "prefix-aware balancer. Routing only: nothing is added upstream.",
     ),
     Setting(
-        "--derive-affinity-key-bytes",
-        env="STARGATE_DERIVE_AFFINITY_KEY_BYTES",
-        to="proxy.derive_affinity_key_bytes",
+        "--derive-affinity-key-block-bytes",
+        env="STARGATE_DERIVE_AFFINITY_KEY_BLOCK_BYTES",
+        to="proxy.derive_affinity_key_block_bytes",
         type=POSITIVE_INT,
-        help="How many bytes of the conversation (after the system/developer messages) a derived "
-        "affinity key covers.",
+        help="Bytes per block of a derived prefix chain; the conversations sharing a system "
+        "prompt of at least one block form a group.",
+    ),
+    Setting(
+        "--derive-affinity-key-depth",
+        env="STARGATE_DERIVE_AFFINITY_KEY_DEPTH",
+        to="proxy.derive_affinity_key_depth",
+        type=POSITIVE_INT,
+        help="Blocks a derived prefix chain holds at most: block bytes x depth is how much of a "
+        "prompt is read (at most 16 MiB).",
     ),
     Setting(
         "--lb-config-path",

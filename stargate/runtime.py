@@ -44,7 +44,7 @@ from stargate.gc_policy import tune_for_serving
 from stargate.health_probe import http_health_probe
 from stargate.http_limits import check_open_file_limit, limit_http_clients
 from stargate.lifecycle import Lifecycle, Outcome
-from stargate.load_balancing.config import lb_config_at_startup
+from stargate.load_balancing.config import PREFIX_AWARE, lb_config_at_startup
 from stargate.metrics import (
     SERIES_GRACE_SECONDS,
     DepartedSeriesSweep,
@@ -155,6 +155,12 @@ class Replica:
                 lb_config.default.name,
                 len(lb_config.models),
             )
+            if PREFIX_AWARE in lb_config.configured_names() and not proxy.derive_affinity_key:
+                log.warning(
+                    "the load balancer config uses prefix-aware but --derive-affinity-key is "
+                    "off: only requests with x-cache-affinity-key are routed by their prefix "
+                    "(docs/prefix-routing.md)"
+                )
         authenticator = registration_authenticator(config)
         # quic:// and reverse backends (docs/tunnels.md): the QUIC machinery loads on first use.
         self.tunnels = replica_tunnels(

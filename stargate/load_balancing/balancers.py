@@ -74,6 +74,9 @@ class RoutingRequest:
       hashed by the affinity ring and by Pulsar (docs/data-plane.md, Hashing).
     * `cache_affinity_key`: `x-cache-affinity-key` (None when absent or blank).
     * `request_slo_ms`: `x-request-slo-ms`; None and 0 both mean "no SLO".
+    * `prefix_chain`, `prefix_group`: the block-hash chain of the request's prompt and the element
+      ending its system part, derived with `--derive-affinity-key` (docs/prefix-routing.md; the
+      `prefix-aware` balancer reads them; empty and None otherwise).
     * `waited_ms`: how long the request has been waiting for a cluster, in milliseconds: the
       time from the request's start to this selection, 0 for the first one. The forwarder
       refreshes it on every pass of its routing-wait loop; it is what unlocks wait-and-widen's
@@ -88,6 +91,8 @@ class RoutingRequest:
     request_slo_ms: int | None = None
     routing_key: str | None = None
     waited_ms: float = 0.0
+    prefix_chain: tuple[int, ...] = ()
+    prefix_group: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +106,16 @@ class Choice:
     `after_kv_free_tokens_skip` is True when a cluster ranked above the chosen one was passed over
     because of its KV-cache free tokens (Pulsar with `consider_kv_free_tokens`): the forwarder
     then counts `routing_kv_free_token_fallback_selections_total`.
+
+    `backends` is the balancer's own order of the cluster's backends (prefix-aware: the first is
+    the one whose cache should hold the request's prefix); empty for the cluster's round robin
+    (docs/data-plane.md, Backend choice).
     """
 
     cluster: ClusterSnapshot
     rank_depth: int = 1
     after_kv_free_tokens_skip: bool = False
+    backends: tuple[BackendSnapshot, ...] = ()
 
 
 # ---- scores (docs/data-plane.md, Scores) ---------------------------------------------------------
@@ -362,6 +372,7 @@ def choose_backend(
     counter: int,
     failed_backend_ids: AbstractSet[str],
     has_room: Callable[[BackendSnapshot], bool] | None = None,
+    preferred: Sequence[BackendSnapshot] = (),
 ) -> BackendSnapshot | None:
     """Round robin over the cluster's backends (stable id order) not yet failed by this request.
 
@@ -371,18 +382,22 @@ def choose_backend(
     `has_room` (docs/data-plane.md, Per-backend connections): when given, the round robin runs
     over the unfailed backends it accepts (those below their connection cap), and over every
     unfailed backend only when it accepts none of them.
+
+    `preferred` (a `Choice`'s `backends`): the first of them that is unfailed (and accepted by
+    `has_room`, when some is) instead of the round robin.
     """
+    listed = preferred or cluster.backends
     if failed_backend_ids:
-        unfailed = [b for b in cluster.backends if b.inference_server_id not in failed_backend_ids]
+        unfailed = [b for b in listed if b.inference_server_id not in failed_backend_ids]
     else:
-        unfailed = list(cluster.backends)
+        unfailed = list(listed)
     if not unfailed:
         return None
     if has_room is not None:
         roomy = [b for b in unfailed if has_room(b)]
         if roomy:
             unfailed = roomy
-    return unfailed[counter % len(unfailed)]
+    return unfailed[0] if preferred else unfailed[counter % len(unfailed)]
 
 
 # ---- input-work admission (docs/data-plane.md, Input-work admission) -----------------------------

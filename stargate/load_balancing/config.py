@@ -53,6 +53,7 @@ from stargate.load_balancing.balancers import (
     DEFAULT_SAMPLE_COUNT,
     MAX_SAMPLE_COUNT,
 )
+from stargate.load_balancing.prefix_aware import DEFAULT_GROUP_BOOST, DEFAULT_OVERFLOW_MS
 from stargate.load_balancing.wait_and_widen import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_N,
@@ -65,6 +66,7 @@ __all__ = [
     "ALGORITHMS",
     "IMPLEMENTED_ALGORITHMS",
     "POWER_OF_N",
+    "PREFIX_AWARE",
     "PULSAR",
     "PULSAR_VARIANTS",
     "PULSAR_WAIT_AND_WIDEN",
@@ -94,8 +96,17 @@ ROUND_ROBIN: Final = "round-robin"
 RANDOM: Final = "random"
 PULSAR: Final = "pulsar"
 PULSAR_WAIT_AND_WIDEN: Final = "pulsar-wait-and-widen"
+PREFIX_AWARE: Final = "prefix-aware"  # ours, beyond the Rust router (docs/prefix-routing.md)
 
-ALGORITHMS: Final = (POWER_OF_N, WAIT_AND_WIDEN, ROUND_ROBIN, RANDOM, PULSAR, PULSAR_WAIT_AND_WIDEN)
+ALGORITHMS: Final = (
+    POWER_OF_N,
+    WAIT_AND_WIDEN,
+    ROUND_ROBIN,
+    RANDOM,
+    PULSAR,
+    PULSAR_WAIT_AND_WIDEN,
+    PREFIX_AWARE,
+)
 IMPLEMENTED_ALGORITHMS: Final = frozenset(ALGORITHMS)
 PULSAR_VARIANTS: Final = frozenset({PULSAR, PULSAR_WAIT_AND_WIDEN})
 WAIT_AND_WIDEN_VARIANTS: Final = frozenset({WAIT_AND_WIDEN, PULSAR_WAIT_AND_WIDEN})
@@ -210,6 +221,9 @@ class AlgorithmSpec:
     max_queued: int = DEFAULT_MAX_QUEUED
     ignore_queue_time: bool = False
     ignore_input_processing_time: bool = False
+    group_boost: float = DEFAULT_GROUP_BOOST
+    overflow_ms: int = DEFAULT_OVERFLOW_MS
+    capacity_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -230,6 +244,7 @@ class AlgorithmSpec:
             "ttft_bucket_size_ms",
             "n",
             "max_queued",
+            "overflow_ms",
         ]
         unsigned += [
             name
@@ -245,6 +260,11 @@ class AlgorithmSpec:
             raise ValueError("next_bucket_unlock_factor must be a number")
         if not math.isfinite(factor):
             raise ValueError("next_bucket_unlock_factor must be a finite number")
+        boost = self.group_boost
+        if isinstance(boost, bool) or not isinstance(boost, int | float):
+            raise ValueError("group_boost must be a number")
+        if not (math.isfinite(boost) and boost >= 1):
+            raise ValueError(f"group_boost must be a finite number of at least 1, got {boost!r}")
 
     @property
     def implemented(self) -> bool:
@@ -274,6 +294,13 @@ class LbConfig:
     )
     models: Mapping[str, ModelEntry] = field(default_factory=lambda: MappingProxyType({}))
     permissive: bool = False
+
+    def configured_names(self) -> frozenset[str]:
+        """Every algorithm the file names, in any entry a request can select."""
+        specs = [self.default, *self.request_algorithms.values()]
+        for entry in self.models.values():
+            specs += [entry.algorithm, *entry.request_algorithms.values()]
+        return frozenset(spec.name for spec in specs)
 
     def configured(self, model_id: str) -> AlgorithmSpec:
         """The model's own algorithm: its `models` entry, else the default."""
@@ -378,6 +405,13 @@ def _check_number(value: object, path: str) -> object:
     raise LbConfigError(f"{path}: expected a finite number, got {_describe(value)}")
 
 
+def _check_group_boost(value: object, path: str) -> object:
+    number = _check_number(value, path)
+    if number is not None and cast("float", number) < 1:
+        raise LbConfigError(f"{path}: group_boost must be at least 1, got {_json_scalar(value)}")
+    return number
+
+
 def _check_comparator(value: object, path: str) -> object:
     if isinstance(value, str) and value in COMPARATORS:
         return value
@@ -427,6 +461,13 @@ _ALGORITHM_FIELDS: Final[Mapping[str, Mapping[str, _Checker]]] = {
     RANDOM: {},
     PULSAR: {"seed": _check_string, "consider_kv_free_tokens": _check_bool},
     PULSAR_WAIT_AND_WIDEN: {**_WAIT_AND_WIDEN_FIELDS, "consider_kv_free_tokens": _check_bool},
+    PREFIX_AWARE: {
+        "seed": _check_string,
+        "consider_kv_free_tokens": _check_bool,
+        "group_boost": _check_group_boost,
+        "overflow_ms": _check_unsigned,
+        "capacity_weights": _check_bool,
+    },
 }
 
 
@@ -508,10 +549,14 @@ def _specific_settings(name: str, settings: Mapping[str, object]) -> dict[str, A
         out["sample_count"] = _setting(settings, "sample_count", DEFAULT_SAMPLE_COUNT)
     if name in (POWER_OF_N, WAIT_AND_WIDEN):
         out["comparator"] = _setting(settings, "comparator", DEFAULT_COMPARATOR)
-    if name in (WAIT_AND_WIDEN, *PULSAR_VARIANTS):
+    if name in (WAIT_AND_WIDEN, *PULSAR_VARIANTS, PREFIX_AWARE):
         out["seed"] = _setting(settings, "seed", "")
-    if name in PULSAR_VARIANTS:
+    if name in (*PULSAR_VARIANTS, PREFIX_AWARE):
         out["consider_kv_free_tokens"] = _setting(settings, "consider_kv_free_tokens", False)
+    if name == PREFIX_AWARE:
+        out["group_boost"] = _setting(settings, "group_boost", DEFAULT_GROUP_BOOST)
+        out["overflow_ms"] = _setting(settings, "overflow_ms", DEFAULT_OVERFLOW_MS)
+        out["capacity_weights"] = _setting(settings, "capacity_weights", False)
     if name in WAIT_AND_WIDEN_VARIANTS:
         # 0 virtual nodes would leave the ring empty and n = 0 would sample nothing: both are 1.
         out["cache_affinity_virtual_nodes"] = max(

@@ -25,6 +25,7 @@ from stargate.load_balancing.balancers import (
 )
 from stargate.load_balancing.config import (
     POWER_OF_N,
+    PREFIX_AWARE,
     PULSAR,
     PULSAR_VARIANTS,
     PULSAR_WAIT_AND_WIDEN,
@@ -34,6 +35,7 @@ from stargate.load_balancing.config import (
     AlgorithmSpec,
     not_implemented_message,
 )
+from stargate.load_balancing.prefix_aware import PrefixAware
 from stargate.load_balancing.pulsar import Pulsar, PulsarWaitAndWiden, pulsar_admission_clusters
 from stargate.load_balancing.wait_and_widen import WaitAndWiden, WidenSettings
 from stargate.routing.state import ClusterSnapshot
@@ -80,6 +82,14 @@ def create_balancer(spec: AlgorithmSpec, rng: random.Random | None = None) -> Lo
             consider_kv_free_tokens=spec.consider_kv_free_tokens,
             settings=widen_settings(spec),
             rng=rng,
+        )
+    if spec.name == PREFIX_AWARE:
+        return PrefixAware(
+            seed=spec.seed,
+            consider_kv_free_tokens=spec.consider_kv_free_tokens,
+            group_boost=spec.group_boost,
+            overflow_ms=spec.overflow_ms,
+            capacity_weights=spec.capacity_weights,
         )
     raise NotImplementedError(not_implemented_message(spec.name))
 

@@ -1,44 +1,74 @@
-"""A cache-affinity key derived from the leading part of a request's prompt (pure).
+"""Routing keys derived from a request's prompt: a key per conversation and a chain of block
+hashes that follows the prompt's prefix (pure).
 
-docs/data-plane.md, "Derived affinity keys": with `--derive-affinity-key`, a request without an
-`x-cache-affinity-key` header is routed as if it had sent `prefix:<hash>`, the hash of its prompt's
-leading part, so the cache-affinity balancers (`pulsar`, wait-and-widen's cache-affinity step)
-send requests sharing that part (the turns of one conversation, mostly) to the same backends.
+docs/prefix-routing.md has the design and its trade-offs; docs/data-plane.md, "Derived affinity
+keys", the contract. With `--derive-affinity-key`, a request without an `x-cache-affinity-key`
+header is routed as if it had sent `prefix:<16 hex digits>`, and carries its prefix chain and
+group for the `prefix-aware` balancer.
 
-The rule, per endpoint (N: `--derive-affinity-key-bytes`):
+*The prompt stream.* The prompt is read as one byte stream of segments, in order:
 
-* `/v1/chat/completions`: the top-level `messages` array, read in order. Every `system` and
-  `developer` message counts in full; the other messages, each encoded as its role and content,
-  are concatenated and cut at N bytes. Reading stops there: later messages are never looked at.
-* `/v1/completions`: `prompt` cut at N bytes (a string: its UTF-8 text; an array of prompts or
-  token ids: its JSON text as sent).
-* `/v1/responses`: `instructions` in full, plus `input` cut at N bytes (a string: its text; an
-  array of items: read like chat messages, `system`/`developer` items in full).
-* `/v1/embeddings` (and any other path): no key.
+* `/v1/chat/completions`: each message of the top-level `messages` array, as its role and content
+  (`_message`);
+* `/v1/completions`: `prompt` (a string: its UTF-8 text; an array of prompts or token ids: its
+  JSON text as sent), one segment;
+* `/v1/responses`: `instructions` as a leading system segment, then `input` (a string: one
+  segment; an array of items: read like chat messages);
+* `/v1/embeddings` (and any other path): nothing, so no key.
 
-The key is `prefix:` and the 32 hex digits of a BLAKE2b-128 digest of the endpoint, the full part
-and the cut part, each framed by its length (so moving bytes between parts changes the key).
+Only the first `block_bytes * depth` bytes of the stream count (the *cap*); reading stops there.
+
+*The conversation key.* The *opening* is the leading `system`/`developer` segments plus the first
+other segment (the first user turn), cut at the cap. Each turn of a chat resends the history, so
+every turn of one conversation starts with the same opening: the key, the 64-bit XXH3 hash of the
+path and the opening, is the same for all of them. Conversations differ in their opening as soon
+as their first user messages differ.
+
+*The chain.* The stream's whole blocks of `block_bytes` bytes, up to `depth` of them, hash as a
+chain: `h[0]` is the hash of the path, `h[i]` the hash of `h[i-1]` (8 bytes, little-endian) and
+block i. A block's hash covers everything before it, as an engine's prefix-cache block does, so
+two requests share `h[i]` exactly when they share their first `i` blocks.
+
+*The group.* The chain element at the last whole block of the leading `system`/`developer`
+segments (None when they fill less than one block): the conversations of one application (one
+system prompt) share it, and it is what their KV caches can share across conversations.
 
 Cost: the body is not parsed into a document. A byte scan (regular expressions at C speed) walks
 the top-level object to the members it needs (stopping once it has them; the first occurrence of a
-duplicate key counts) and skips everything else; only the messages read (those up to the cut) are
-decoded, and of a string prompt or input only as many bytes as the cut can need (at most 6 N + 26
-raw bytes: an escape is at most 6 bytes for one character). A body that is not JSON, or has no
-such member, gets no key (None), never an error; the header-form body is not otherwise checked, so
-a body whose leading part parses gets a key even if its tail would not.
+duplicate key counts) and skips everything else; only the messages read (those up to the cap) are
+decoded, and of a string prompt or input only as many bytes as the cap can need (at most
+6 * cap + 26 raw bytes: an escape is at most 6 bytes for one character). A body that is not JSON,
+or has no such member, gets no key (None), never an error; the header-form body is not otherwise
+checked, so a body whose leading part parses gets a key even if its tail would not.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["KEY_PREFIX", "derive_affinity_key"]
+from xxhash import xxh3_64_intdigest
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_DEPTH",
+    "KEY_PREFIX",
+    "DerivedPrefix",
+    "chain_hashes",
+    "derive_affinity_key",
+    "derive_prefix",
+]
 
 KEY_PREFIX: Final = "prefix:"
+DEFAULT_BLOCK_BYTES: Final = 256
+"""`--derive-affinity-key-block-bytes`."""
+DEFAULT_DEPTH: Final = 64
+"""`--derive-affinity-key-depth`: the chain covers 16 KiB of prompt by default."""
+MAX_CAP_BYTES: Final = 1 << 24
+"""block bytes x depth may not exceed 16 MiB (a config error above it)."""
 
 _FULL_ROLES = frozenset({"system", "developer"})
 _WS = re.compile(rb"[ \t\n\r]*+")
@@ -47,7 +77,7 @@ _SCALAR = re.compile(rb"[^,:\[\]{}\s\"]++")
 _STRUCTURE = re.compile(rb'["\[\]{}]')
 _MAX_KEY_BYTES = 64  # longer top-level keys are skipped unread: no member of interest is longer
 
-# Endpoint → (member counted in full, member cut at N bytes).
+# Endpoint -> (member read as a leading system segment, member read as the conversation).
 _MEMBERS: Final = {
     "/v1/chat/completions": (None, "messages"),
     "/v1/completions": (None, "prompt"),
@@ -55,67 +85,142 @@ _MEMBERS: Final = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class DerivedPrefix:
+    """What one request's prompt gives the balancers (module docstring).
+
+    `key` is the conversation key (`prefix:` and 16 hex digits); `chain` the block hashes, first
+    block first (empty for a prompt shorter than one block); `group` the chain element that ends
+    the leading system/developer part, or None.
+    """
+
+    key: str
+    chain: tuple[int, ...]
+    group: int | None
+
+
 class _NotJSON(Exception):
     """The scan met something it cannot read: no key."""
 
 
-def derive_affinity_key(path: str, body: bytes | bytearray, limit: int) -> str | None:
-    """The derived key of a request to `path` with `body`, or None (see the module docstring).
+class _Stream:
+    """The prompt stream as it is read: its segments up to the cap, and where the leading
+    system part and the opening end."""
 
-    `limit` is N, the bytes of the conversation (or prompt, or input) that count; at least 1.
+    __slots__ = ("cap", "opening_end", "parts", "size", "system_end")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.system_end: int | None = None  # set once a non-system segment is read
+        self.opening_end: int | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self.cap
+
+    def add(self, segment: bytes, system: bool) -> None:
+        if self.full:
+            return
+        if system and self.system_end is not None:
+            system = False  # a system message after the first turn is just part of the history
+        segment = segment[: self.cap - self.size]
+        self.parts.append(segment)
+        self.size += len(segment)
+        if not system and self.system_end is None:
+            self.system_end = self.size - len(segment)
+            self.opening_end = self.size
+
+    def data(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def derive_affinity_key(
+    path: str,
+    body: bytes | bytearray,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    depth: int = DEFAULT_DEPTH,
+) -> str | None:
+    """The conversation key of a request to `path` with `body`, or None (module docstring)."""
+    derived = derive_prefix(path, body, block_bytes, depth)
+    return None if derived is None else derived.key
+
+
+def derive_prefix(
+    path: str, body: bytes | bytearray, block_bytes: int, depth: int
+) -> DerivedPrefix | None:
+    """The key, chain and group of a request to `path` with `body`, or None (module docstring).
+
+    `block_bytes` and `depth` are at least 1.
     """
     members = _MEMBERS.get(path)
-    if members is None or limit < 1:
+    if members is None or block_bytes < 1 or depth < 1:
         return None
-    full_name, cut_name = members
+    system_name, stream_name = members
+    stream = _Stream(block_bytes * depth)
     try:
         spans = _top_level_members(body, {n for n in members if n is not None})
-        full = b""
-        if full_name is not None and full_name in spans:
-            start = spans[full_name]
-            full = _text(_decode(body, start, _skip_value(body, start)))
-        cut = b""
-        if cut_name in spans:
-            extra_full, cut = _cut_part(body, spans[cut_name], limit)
-            full += extra_full
+        if system_name is not None and system_name in spans:
+            start = spans[system_name]
+            stream.add(_text(_decode(body, start, _skip_value(body, start))), system=True)
+        if stream_name in spans:
+            _read_stream(body, spans[stream_name], stream)
     except (_NotJSON, ValueError, RecursionError):  # ValueError covers UnicodeDecodeError
         return None
-    if not full and not cut:
+    data = stream.data()
+    if not data:
         return None
-    digest = hashlib.blake2b(digest_size=16)
-    for part in (path.encode(), full, cut):
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
-    return KEY_PREFIX + digest.hexdigest()
+    opening_end = stream.opening_end if stream.opening_end is not None else len(data)
+    root = xxh3_64_intdigest(_framed(path.encode()))
+    key = xxh3_64_intdigest(_framed(path.encode()) + data[:opening_end])
+    chain = chain_hashes(root, data, block_bytes, depth)
+    system_end = stream.system_end if stream.system_end is not None else len(data)
+    system_blocks = min(system_end // block_bytes, len(chain))
+    group = chain[system_blocks - 1] if system_blocks else None
+    return DerivedPrefix(f"{KEY_PREFIX}{key:016x}", chain, group)
 
 
-def _cut_part(body: bytes | bytearray, start: int, limit: int) -> tuple[bytes, bytes]:
-    """(what counts in full, what is cut at `limit`) of the member whose value is at `start`."""
+def chain_hashes(root: int, data: bytes, block_bytes: int, depth: int) -> tuple[int, ...]:
+    """The chain hashes of the whole `block_bytes` blocks of `data`, at most `depth` of them:
+    each the XXH3-64 of the previous one (8 bytes, little-endian; `root` before the first) and
+    the block."""
+    hashes: list[int] = []
+    previous = root
+    for start in range(0, min(len(data), block_bytes * depth) - block_bytes + 1, block_bytes):
+        previous = xxh3_64_intdigest(
+            previous.to_bytes(8, "little") + data[start : start + block_bytes]
+        )
+        hashes.append(previous)
+    return tuple(hashes)
+
+
+def _framed(value: bytes) -> bytes:
+    return len(value).to_bytes(8, "little") + value
+
+
+def _read_stream(body: bytes | bytearray, start: int, stream: _Stream) -> None:
+    """Add the segments of the member whose value is at `start` to `stream`, up to its cap."""
     first = body[start : start + 1]
     if first == b'"':
-        return b"", _string_prefix(body, start, limit)
+        stream.add(_string_prefix(body, start, stream.cap - stream.size), system=False)
+        return
     if first != b"[":
         raise _NotJSON
     item = _skip_ws(body, start + 1)
     if body[item : item + 1] == b"]":
-        return b"", b""
+        return
     if body[item : item + 1] != b"{":
         # Prompts or token ids (completions), not messages: the JSON text as sent.
-        return b"", bytes(body[start : min(_skip_value(body, start), start + limit)])
-    full: list[bytes] = []
-    cut: list[bytes] = []
-    size = 0
+        limit = stream.cap - stream.size
+        stream.add(bytes(body[start : min(_skip_value(body, start), start + limit)]), system=False)
+        return
     for item_start, item_end in _array_items(body, start):
         message = _decode(body, item_start, item_end)
-        if isinstance(message, dict) and message.get("role") in _FULL_ROLES:
-            full.append(_message(message))
-            continue
-        encoded = _message(message)
-        cut.append(encoded[: limit - size])
-        size += len(cut[-1])
-        if size >= limit:
-            break
-    return b"".join(full), b"".join(cut)
+        system = isinstance(message, dict) and message.get("role") in _FULL_ROLES
+        stream.add(_message(message), system)
+        if stream.full:
+            return
 
 
 def _message(item: object) -> bytes:

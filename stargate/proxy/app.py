@@ -47,7 +47,7 @@ from stargate.config import ProxyConfig
 from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
 from stargate.proxy import json_scan
-from stargate.proxy.affinity_key import derive_affinity_key
+from stargate.proxy.affinity_key import derive_prefix
 from stargate.proxy.contract import (
     ENDPOINTS,
     ContractError,
@@ -113,7 +113,12 @@ class ProxyApp:
         if config.accept_openai_requests:
             json_scan.prepare("model")  # not on the first request: ~80 ms of compiling
         # docs/data-plane.md, "Derived affinity keys": the key covers this many bytes, or 0 (off).
-        self._derive_bytes = config.derive_affinity_key_bytes if config.derive_affinity_key else 0
+        # (block bytes, depth) with --derive-affinity-key, else None.
+        self._derive = (
+            (config.derive_affinity_key_block_bytes, config.derive_affinity_key_depth)
+            if config.derive_affinity_key
+            else None
+        )
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] != "http":
@@ -190,7 +195,7 @@ class ProxyApp:
                 plan = planner.plan(request)
             else:
                 request = self._parse(scope, headers, b"")  # the header form reads no body
-                if self._derive_bytes and request.cache_affinity_key is None:
+                if self._derive is not None and request.cache_affinity_key is None:
                     # The key comes from the body, read after every header check: the algorithm
                     # is checked now, the key requirement once the key is known.
                     spec = planner.algorithm(request)
@@ -309,15 +314,23 @@ class ProxyApp:
     def _with_derived_key(
         self, scope: ASGIScope, request: ProxyRequest, body: bytes | bytearray
     ) -> ProxyRequest:
-        """`request` with a key derived from its body when it sent none and the flag is on.
+        """`request` with a key, chain and group derived from its body when it sent no key and the
+        flag is on (an explicit key replaces all three: docs/prefix-routing.md).
 
-        Routing only: the derived key is not forwarded (docs/data-plane.md, "Derived affinity
-        keys"), and never logged (it is in no log line and no metric label).
+        Routing only: nothing derived is forwarded (docs/data-plane.md, "Derived affinity
+        keys"), nor logged (it is in no log line and no metric label).
         """
-        if not self._derive_bytes or request.cache_affinity_key is not None:
+        if self._derive is None or request.cache_affinity_key is not None:
             return request
-        key = derive_affinity_key(scope["path"], body, self._derive_bytes)
-        return request if key is None else replace(request, cache_affinity_key=key)
+        derived = derive_prefix(scope["path"], body, *self._derive)
+        if derived is None:
+            return request
+        return replace(
+            request,
+            cache_affinity_key=derived.key,
+            prefix_chain=derived.chain,
+            prefix_group=derived.group,
+        )
 
     async def _acquire(self, request: ProxyRequest, span: RequestSpan | None) -> Grant | None:
         """Hold a request for a pooled model until its member is resident (None: not pooled).

@@ -178,6 +178,10 @@ class ProxyRequest:
     headers: Headers  # filtered, forwarded to every attempt
     generated_request_id: bool = False
     openai_form: bool = False  # model from the body: answers are OpenAI-shaped
+    # Derived from the body with --derive-affinity-key (docs/prefix-routing.md): the prompt's
+    # block-hash chain and its group, for the prefix-aware balancer. Routing only.
+    prefix_chain: tuple[int, ...] = ()
+    prefix_group: int | None = None
 
 
 def _visible_ascii(raw: bytes | None) -> str | None:

@@ -446,7 +446,7 @@ class Forwarder:
             self._metrics.count_selection(spec.name, model, routing_key, selection)
             if choice.after_kv_free_tokens_skip:
                 self._metrics.count_kv_free_token_fallback(spec.name, model, routing_key)
-            outcome = await self._attempt_cluster(context, choice.cluster)
+            outcome = await self._attempt_cluster(context, choice.cluster, choice.backends)
             if outcome is not None:
                 return outcome
             # None: the cluster failed for this request; choose again with it excluded.
@@ -511,13 +511,17 @@ class Forwarder:
         return failed | full
 
     async def _attempt_cluster(
-        self, context: _RequestContext, cluster: ClusterSnapshot
+        self,
+        context: _RequestContext,
+        cluster: ClusterSnapshot,
+        preferred: tuple[BackendSnapshot, ...] = (),
     ) -> Forwarded | LocalError | None:
         """Attempts on backends of one cluster until a final answer; None when the whole cluster
-        failed for this request (the balancer then chooses again without it)."""
+        failed for this request (the balancer then chooses again without it). `preferred`: the
+        balancer's order of the cluster's backends, else its round robin."""
         state = context.attempts
         while True:
-            backend = self._next_backend(context.plan.target, cluster, state)
+            backend = self._next_backend(context.plan.target, cluster, state, preferred)
             if backend is None:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
@@ -538,17 +542,25 @@ class Forwarder:
             # this cluster again (the backend is not excluded), without the check.
 
     def _next_backend(
-        self, target: RoutingTargetKey, cluster: ClusterSnapshot, state: Attempts
+        self,
+        target: RoutingTargetKey,
+        cluster: ClusterSnapshot,
+        state: Attempts,
+        preferred: tuple[BackendSnapshot, ...] = (),
     ) -> BackendSnapshot | None:
-        """The cluster's round robin (docs/data-plane.md, Backend choice); None: none is left."""
-        counter_key = (target, cluster.cluster_id)
-        counter = self._backend_counters.get(counter_key, 0)
-        self._backend_counters[counter_key] = counter + 1
+        """The cluster's round robin, or the first of `preferred` left (docs/data-plane.md,
+        Backend choice); None: none is left."""
+        counter = 0
+        if not preferred:
+            counter_key = (target, cluster.cluster_id)
+            counter = self._backend_counters.get(counter_key, 0)
+            self._backend_counters[counter_key] = counter + 1
         return choose_backend(
             cluster,
             counter,
             self._excluded_backends(state),
             self._has_room if self._any_full else None,
+            preferred,
         )
 
     async def _attempt(

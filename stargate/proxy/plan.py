@@ -111,6 +111,8 @@ class Planner:
                 priority=request.priority,
                 cache_affinity_key=request.cache_affinity_key,
                 request_slo_ms=request.request_slo_ms,
+                prefix_chain=request.prefix_chain,
+                prefix_group=request.prefix_group,
             ),
             _labels(registered, model_id, routing_key),
             registered,

@@ -34,7 +34,7 @@ def replica(tmp_path: Path, engines: list[MockBackendProcess]) -> Iterator[Proxy
         engines,
         "--accept-openai-requests",
         "--derive-affinity-key",
-        "--derive-affinity-key-bytes=256",
+        "--derive-affinity-key-block-bytes=128",
     )
     yield handle
     handle.close()

@@ -475,7 +475,8 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "acceptOpenaiRequests": True,
             "unmeasuredBackends": "exclude",
             "deriveAffinityKey": True,
-            "deriveAffinityKeyBytes": 512,
+            "deriveAffinityKeyBlockBytes": 512,
+            "deriveAffinityKeyDepth": 16,
             "lbConfigPath": files["lb.json"],
             "upstreamCaFile": files["ca.pem"],
             "tlsCertPath": files["tls.crt"],
@@ -584,8 +585,10 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert p.accept_openai_requests is True
     assert "--unmeasured-backends=exclude" in args
     assert p.estimate_unmeasured_backends is False
-    assert "--derive-affinity-key" in args and "--derive-affinity-key-bytes=512" in args
-    assert (p.derive_affinity_key, p.derive_affinity_key_bytes) == (True, 512)
+    assert "--derive-affinity-key" in args and "--derive-affinity-key-block-bytes=512" in args
+    assert "--derive-affinity-key-depth=16" in args
+    assert (p.derive_affinity_key, p.derive_affinity_key_block_bytes) == (True, 512)
+    assert p.derive_affinity_key_depth == 16
     assert p.lb_config_path == Path(files["lb.json"])
     assert p.upstream_ca_file == Path(files["ca.pem"])
     assert cp.worker_auth_ca_file == Path(files["ca.pem"])
@@ -1030,7 +1033,8 @@ def test_schema_accepts_warmup_values(chart: Any, key: str, good: object) -> Non
         {"serve": {"logFormat": "xml"}},
         {"serve": {"debugEndpoints": "false"}},
         {"serve": {"deriveAffinityKey": "true"}},
-        {"serve": {"deriveAffinityKeyBytes": 0}},
+        {"serve": {"deriveAffinityKeyBlockBytes": 0}},
+        {"serve": {"deriveAffinityKeyDepth": 0}},
         {"metrics": {"listenHost": ""}},
         {"readiness": {"warmupMillis": 1}},
         {"ports": {"http": 0}},

@@ -372,32 +372,56 @@ def test_max_connections_per_backend_flag(captured: list[ServeConfig]) -> None:
 
 
 def test_derive_affinity_key_flags(captured: list[ServeConfig]) -> None:
-    """`--derive-affinity-key` (off by default) and `--derive-affinity-key-bytes` (default 2048):
-    flags and environment variables; 0 and negative byte counts are usage errors naming the flag,
-    in the CLI and in `ProxyConfig`."""
+    """`--derive-affinity-key` (off by default), `--derive-affinity-key-block-bytes` (default 256)
+    and `--derive-affinity-key-depth` (default 64): flags and environment variables; 0, negative
+    and non-numeric values are usage errors naming the flag, in the CLI and in `ProxyConfig`, and
+    so is a product above 16 MiB."""
     code, output = _serve([])
     assert code == 0, output
-    assert captured[-1].proxy.derive_affinity_key is False
-    assert captured[-1].proxy.derive_affinity_key_bytes == 2048
-    code, output = _serve(["--derive-affinity-key", "--derive-affinity-key-bytes=512"])
+    proxy = captured[-1].proxy
+    assert proxy.derive_affinity_key is False
+    assert (proxy.derive_affinity_key_block_bytes, proxy.derive_affinity_key_depth) == (256, 64)
+    code, output = _serve(
+        [
+            "--derive-affinity-key",
+            "--derive-affinity-key-block-bytes=512",
+            "--derive-affinity-key-depth=8",
+        ]
+    )
     assert code == 0, output
-    assert captured[-1].proxy.derive_affinity_key is True
-    assert captured[-1].proxy.derive_affinity_key_bytes == 512
-    env = {"STARGATE_DERIVE_AFFINITY_KEY": "true", "STARGATE_DERIVE_AFFINITY_KEY_BYTES": "64"}
+    proxy = captured[-1].proxy
+    assert proxy.derive_affinity_key is True
+    assert (proxy.derive_affinity_key_block_bytes, proxy.derive_affinity_key_depth) == (512, 8)
+    env = {
+        "STARGATE_DERIVE_AFFINITY_KEY": "true",
+        "STARGATE_DERIVE_AFFINITY_KEY_BLOCK_BYTES": "64",
+        "STARGATE_DERIVE_AFFINITY_KEY_DEPTH": "3",
+    }
     code, output = _serve([], env)
     assert code == 0, output
-    assert captured[-1].proxy.derive_affinity_key is True
-    assert captured[-1].proxy.derive_affinity_key_bytes == 64
-    for bad in ("0", "-1", "x"):
-        captured.clear()
-        code, output = _serve([f"--derive-affinity-key-bytes={bad}"])
-        assert code == 2
-        assert "'--derive-affinity-key-bytes'" in output
-        assert captured == []
-    with pytest.raises(ConfigError, match="--derive-affinity-key-bytes"):
-        ProxyConfig(derive_affinity_key_bytes=0)
+    proxy = captured[-1].proxy
+    assert proxy.derive_affinity_key is True
+    assert (proxy.derive_affinity_key_block_bytes, proxy.derive_affinity_key_depth) == (64, 3)
+    for flag in ("--derive-affinity-key-block-bytes", "--derive-affinity-key-depth"):
+        for bad in ("0", "-1", "x"):
+            captured.clear()
+            code, output = _serve([f"{flag}={bad}"])
+            assert code == 2
+            assert f"'{flag}'" in output
+            assert captured == []
+    with pytest.raises(ConfigError, match="--derive-affinity-key-block-bytes"):
+        ProxyConfig(derive_affinity_key_block_bytes=0)
+    with pytest.raises(ConfigError, match="--derive-affinity-key-depth"):
+        ProxyConfig(derive_affinity_key_depth=0)
+    with pytest.raises(ConfigError, match="at most 16777216 bytes"):
+        ProxyConfig(derive_affinity_key_block_bytes=1 << 20, derive_affinity_key_depth=17)
+    code, output = _serve(
+        ["--derive-affinity-key-block-bytes=1048576", "--derive-affinity-key-depth=17"]
+    )
+    assert code == 2 and "--derive-affinity-key-depth" in output
     result = CliRunner().invoke(main, ["serve", "--help"], env={})
-    assert "--derive-affinity-key-bytes" in result.output
+    assert "--derive-affinity-key-block-bytes" in result.output
+    assert "--derive-affinity-key-depth" in result.output
     assert "STARGATE_DERIVE_AFFINITY_KEY" in result.output
 
 

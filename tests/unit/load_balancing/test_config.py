@@ -38,7 +38,9 @@ from stargate.load_balancing.wait_and_widen import WaitAndWiden
 from stargate.routing import BackendRoute, ModelStats, RegistrationIdentity, RoutingState
 from stargate.routing.state import ClusterSnapshot, RoutingTargetKey
 
-ALL_NAMES = "power-of-n, wait-and-widen, round-robin, random, pulsar, pulsar-wait-and-widen"
+ALL_NAMES = (
+    "power-of-n, wait-and-widen, round-robin, random, pulsar, pulsar-wait-and-widen, prefix-aware"
+)
 COMPARATOR_NAMES = "ttft, queue-time, input-work-seconds, utilization, num-requests-queued"
 
 
@@ -64,6 +66,7 @@ def test_algorithm_names_canonical_and_aliases_in_the_file() -> None:
         "random",
         "pulsar",
         "pulsar-wait-and-widen",
+        "prefix-aware",
     )
     assert frozenset(ALGORITHMS) == IMPLEMENTED_ALGORITHMS
     for name in ALGORITHMS:

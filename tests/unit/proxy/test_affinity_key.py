@@ -3,17 +3,20 @@ keys"): the pure derivation, and how `ProxyApp` applies it to both request forms
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ProxyConfig
 from stargate.load_balancing.config import AlgorithmSpec, parse_lb_config
 from stargate.metrics import ProxyMetrics
-from stargate.proxy.affinity_key import KEY_PREFIX, derive_affinity_key
+from stargate.proxy.affinity_key import KEY_PREFIX, _message, derive_affinity_key, derive_prefix
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import ContractError, ProxyRequest
 from stargate.proxy.forwarder import LocalError
@@ -32,6 +35,11 @@ def _chat(messages: list[dict[str, Any]], **extra: Any) -> bytes:
     return _body({"model": "m", "messages": messages, **extra})
 
 
+def _message_bytes(messages: list[dict[str, Any]]) -> bytes:
+    """The prompt stream of `messages` (each message as the derivation frames it)."""
+    return b"".join(_message(message) for message in messages)
+
+
 def _turns(first_user: str, count: int = 4) -> list[list[dict[str, Any]]]:
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": first_user}]
     turns = [list(messages)]
@@ -44,31 +52,69 @@ def _turns(first_user: str, count: int = 4) -> list[list[dict[str, Any]]]:
     return turns
 
 
-def test_every_turn_of_a_long_conversation_shares_the_key() -> None:
-    keys = {derive_affinity_key(CHAT, _chat(m), 64) for m in _turns("x" * 100)}
-    assert len(keys) == 1
-    key = keys.pop()
-    assert key is not None and key.startswith(KEY_PREFIX)
-    assert len(key) == len(KEY_PREFIX) + 32
-    assert key == derive_affinity_key(CHAT, _chat(_turns("x" * 100)[0]), 64)  # stable
+def test_every_turn_of_a_conversation_shares_the_key() -> None:
+    # Short and long first messages alike: the key is the opening's, which every turn resends.
+    for first in ("hi", "x" * 100, "y" * 5000):
+        keys = {derive_affinity_key(CHAT, _chat(m)) for m in _turns(first)}
+        assert len(keys) == 1
+        key = keys.pop()
+        assert key is not None and key.startswith(KEY_PREFIX)
+        assert len(key) == len(KEY_PREFIX) + 16
+        assert key == derive_affinity_key(CHAT, _chat(_turns(first)[0]))  # stable
 
 
-def test_short_conversations_share_a_key_only_with_identical_prefixes() -> None:
-    # Under N bytes of conversation, each turn adds to what is hashed: a new key per turn.
-    turns = _turns("hi")
-    keys = [derive_affinity_key(CHAT, _chat(m), 2048) for m in turns]
-    assert len(set(keys)) == len(turns)
-    assert keys[0] == derive_affinity_key(CHAT, _chat(turns[0]), 2048)
+def test_conversations_differ_by_their_first_user_message() -> None:
+    one = derive_affinity_key(CHAT, _chat(_turns("hi")[2]))
+    assert derive_affinity_key(CHAT, _chat(_turns("hi!")[2])) != one
+    # The same opening (a template) is the same conversation key, whatever follows.
+    other = [*_turns("hi")[1][:3], {"role": "user", "content": "something else"}]
+    assert derive_affinity_key(CHAT, _chat(other)) == one
 
 
 def test_system_prompts_count_in_full() -> None:
     user = {"role": "user", "content": "y" * 100}
-    one = derive_affinity_key(CHAT, _chat([SYSTEM, user]), 16)
+    one = derive_affinity_key(CHAT, _chat([SYSTEM, user]))
     other_system = {"role": "system", "content": SYSTEM["content"] + "!"}  # differs at the end
-    assert derive_affinity_key(CHAT, _chat([other_system, user]), 16) != one
+    assert derive_affinity_key(CHAT, _chat([other_system, user])) != one
     developer = {"role": "developer", "content": SYSTEM["content"] + "!"}
-    assert derive_affinity_key(CHAT, _chat([developer, user]), 16) not in (one, None)
-    assert derive_affinity_key(CHAT, _chat([SYSTEM]), 16) is not None  # a system prompt alone
+    assert derive_affinity_key(CHAT, _chat([developer, user])) not in (one, None)
+    assert derive_affinity_key(CHAT, _chat([SYSTEM])) is not None  # a system prompt alone
+
+
+def test_the_chain_follows_the_prefix() -> None:
+    turns = _turns("x" * 300, count=6)
+    derived = [derive_prefix(CHAT, _chat(m), 64, 1000) for m in turns]
+    assert all(d is not None for d in derived)
+    chains = [d.chain for d in derived if d is not None]
+    for shorter, longer in itertools.pairwise(chains):
+        assert len(longer) >= len(shorter) and longer[: len(shorter)] == shorter
+    # Whole blocks only: the stream of turn 0 is the system and the user message, framed.
+    stream = _message_bytes(turns[0])
+    assert len(chains[0]) == len(stream) // 64
+    # The group is the element ending the system part; the same for every conversation that
+    # shares the system prompt, whatever its messages.
+    groups = {d.group for d in derived if d is not None}
+    other = derive_prefix(CHAT, _chat(_turns("z")[3]), 64, 1000)
+    assert other is not None and groups == {other.group} and other.group is not None
+    system_blocks = len(_message_bytes([SYSTEM])) // 64
+    assert other.group == chains[0][system_blocks - 1] == other.chain[system_blocks - 1]
+    assert other.chain[system_blocks:] != chains[0][system_blocks:]
+    # A system prompt shorter than one block makes no group.
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u" * 500}]
+    small = derive_prefix(CHAT, _chat(messages), 64, 1000)
+    assert small is not None and small.group is None
+    assert len(small.chain) == len(_message_bytes(messages)) // 64 == 8
+
+
+def test_depth_caps_what_is_read() -> None:
+    derived = derive_prefix(CHAT, _chat(_turns("x" * 100, count=20)[-1]), 64, 5)
+    assert derived is not None and len(derived.chain) == 5
+    # A system prompt longer than the cap: the group is the last element, the key its hash.
+    long_system = derive_prefix(CHAT, _chat([SYSTEM, {"role": "user", "content": "a"}]), 64, 5)
+    other_user = derive_prefix(CHAT, _chat([SYSTEM, {"role": "user", "content": "b"}]), 64, 5)
+    assert long_system is not None and other_user is not None
+    assert long_system.group == long_system.chain[-1]
+    assert long_system.key == other_user.key  # the users differ past the cap
 
 
 def test_the_encoding_of_the_body_does_not_matter() -> None:
@@ -76,25 +122,25 @@ def test_the_encoding_of_the_body_does_not_matter() -> None:
     compact = json.dumps({"messages": messages, "model": "m"}, separators=(",", ":")).encode()
     spaced = json.dumps({"model": "m", "temperature": 0.5, "messages": messages}, indent=2)
     escaped = json.dumps({"model": "m", "messages": messages}, ensure_ascii=True)
-    keys = {derive_affinity_key(CHAT, b, 64) for b in (compact, spaced.encode(), escaped.encode())}
-    assert len(keys) == 1
+    derived = {derive_prefix(CHAT, b, 64, 64) for b in (compact, spaced.encode(), escaped.encode())}
+    assert len(derived) == 1
     # Fields other than role and content do not count (an answer sent back with `refusal`).
     with_refusal = [dict(m, refusal=None) if m["role"] == "assistant" else m for m in messages]
-    assert derive_affinity_key(CHAT, _chat(with_refusal), 4096) == derive_affinity_key(
-        CHAT, _chat(messages), 4096
+    assert derive_prefix(CHAT, _chat(with_refusal), 64, 64) == derive_prefix(
+        CHAT, _chat(messages), 64, 64
     )
     # Content parts read as their text.
     parts = [{"role": "user", "content": [{"type": "text", "text": "x" * 100}]}]
-    assert derive_affinity_key(CHAT, _chat(parts), 64) == derive_affinity_key(
-        CHAT, _chat([{"role": "user", "content": "x" * 100}]), 64
+    assert derive_affinity_key(CHAT, _chat(parts)) == derive_affinity_key(
+        CHAT, _chat([{"role": "user", "content": "x" * 100}])
     )
 
 
-def test_messages_past_the_cut_are_not_read() -> None:
+def test_messages_past_the_cap_are_not_read() -> None:
     head = _chat([{"role": "user", "content": "z" * 100}])[:-2]  # without `]}`
-    broken = head + b', {"role": "user", "content": oops'  # never read: past the cut
-    assert derive_affinity_key(CHAT, broken, 64) == derive_affinity_key(
-        CHAT, _chat([{"role": "user", "content": "z" * 100}]), 64
+    broken = head + b', {"role": "user", "content": oops'  # never read: past the cap
+    assert derive_prefix(CHAT, broken, 8, 8) == derive_prefix(
+        CHAT, _chat([{"role": "user", "content": "z" * 100}]), 8, 8
     )
 
 
@@ -115,48 +161,50 @@ def test_messages_past_the_cut_are_not_read() -> None:
     ],
 )
 def test_no_key_without_a_readable_prompt(body: bytes) -> None:
-    assert derive_affinity_key(CHAT, body, 64) is None
+    assert derive_affinity_key(CHAT, body) is None
 
 
 def test_embeddings_and_other_paths_get_no_key() -> None:
-    assert derive_affinity_key("/v1/embeddings", _body({"model": "m", "input": "x"}), 64) is None
-    assert derive_affinity_key("/v1/other", _chat([SYSTEM]), 64) is None
+    assert derive_affinity_key("/v1/embeddings", _body({"model": "m", "input": "x"})) is None
+    assert derive_affinity_key("/v1/other", _chat([SYSTEM])) is None
 
 
-def test_completions_use_the_first_n_bytes_of_the_prompt() -> None:
+def test_completions_use_the_first_capped_bytes_of_the_prompt() -> None:
     path = "/v1/completions"
-    one = derive_affinity_key(path, _body({"model": "m", "prompt": "é" * 5000}), 10)
+    one = derive_affinity_key(path, _body({"model": "m", "prompt": "é" * 5000}), 5, 2)
     assert one is not None
-    assert derive_affinity_key(path, _body({"prompt": "é" * 5 + "different"}), 10) == one
-    assert derive_affinity_key(path, _body({"prompt": "é" * 4 + "e"}), 10) != one
-    assert derive_affinity_key(path, _body({"prompt": [1, 2, 3]}), 10) is not None
-    assert derive_affinity_key(path, _body({"prompt": []}), 10) is None
+    assert derive_affinity_key(path, _body({"prompt": "é" * 5 + "different"}), 5, 2) == one
+    assert derive_affinity_key(path, _body({"prompt": "é" * 4 + "e"}), 5, 2) != one
+    assert derive_affinity_key(path, _body({"prompt": [1, 2, 3]}), 5, 2) is not None
+    assert derive_affinity_key(path, _body({"prompt": []}), 5, 2) is None
     # The same prompt on another endpoint is another key.
-    assert derive_affinity_key(CHAT, _body({"messages": "é" * 5000}), 10) != one
+    assert derive_affinity_key(CHAT, _body({"messages": "é" * 5000}), 5, 2) != one
 
 
-def test_a_long_prompt_is_decoded_only_as_far_as_the_cut() -> None:
+def test_a_long_prompt_is_decoded_only_as_far_as_the_cap() -> None:
     path = "/v1/completions"
     text = "\\u00e9" * 50  # escapes: 6 raw bytes for 2 UTF-8 bytes
     raw = b'{"prompt": "' + text.encode() + b"\\ud83d\\ude00" * 100 + b'"}'
-    assert derive_affinity_key(path, raw, 100) == derive_affinity_key(
-        path, _body({"prompt": "é" * 50}), 100
+    assert derive_prefix(path, raw, 10, 10) == derive_prefix(
+        path, _body({"prompt": "é" * 50}), 10, 10
     )
     # A string broken past what is decoded still gives a key; broken within it, none.
-    assert derive_affinity_key(path, b'{"prompt": "' + b"a" * 1000 + b"\\x", 10) is not None
-    assert derive_affinity_key(path, b'{"prompt": "ab\\x' + b"a" * 1000 + b'"}', 10) is None
+    assert derive_affinity_key(path, b'{"prompt": "' + b"a" * 1000 + b"\\x", 5, 2) is not None
+    assert derive_affinity_key(path, b'{"prompt": "ab\\x' + b"a" * 1000 + b'"}', 5, 2) is None
 
 
 def test_responses_use_instructions_and_input() -> None:
     path = "/v1/responses"
     base = {"model": "m", "instructions": "be terse " * 50, "input": "q" * 100}
-    one = derive_affinity_key(path, _body(base), 64)
-    assert one is not None
-    assert derive_affinity_key(path, _body({**base, "instructions": "be kind"}), 64) != one
-    assert derive_affinity_key(path, _body({**base, "input": "q" * 64 + "other"}), 64) == one
+    one = derive_prefix(path, _body(base), 64, 64)
+    assert one is not None and one.group is not None  # the instructions fill 7 blocks
+    kind = derive_prefix(path, _body({**base, "instructions": "be kind"}), 64, 64)
+    assert kind is not None and kind.key != one.key and kind.group is None
+    longer = derive_prefix(path, _body({**base, "input": "q" * 200}), 64, 64)
+    assert longer is not None and longer.key != one.key and longer.group == one.group
     items = [{"role": "user", "content": [{"type": "input_text", "text": "q" * 100}]}]
-    assert derive_affinity_key(path, _body({**base, "input": items}), 64) is not None
-    assert derive_affinity_key(path, _body({"model": "m", "instructions": "x"}), 64) is not None
+    assert derive_affinity_key(path, _body({**base, "input": items})) is not None
+    assert derive_affinity_key(path, _body({"model": "m", "instructions": "x"})) is not None
 
 
 # --- ProxyApp: which requests get a key, and what is forwarded ---------------------------------
@@ -189,8 +237,10 @@ class _Forwarder:
     async def forward_plan(
         self, plan: RequestPlan, body: bytes, trace: object = None
     ) -> LocalError:
-        # The plan routes by the request's key, derived or sent.
+        # The plan routes by the request's key, derived or sent, and its chain and group.
         assert plan.routing.cache_affinity_key == plan.request.cache_affinity_key
+        assert plan.routing.prefix_chain == plan.request.prefix_chain
+        assert plan.routing.prefix_group == plan.request.prefix_group
         self.forwarded.append(plan.request)
         return LocalError(ContractError(503))
 
@@ -249,8 +299,22 @@ async def test_both_forms_route_by_the_derived_key_without_forwarding_it(
     forwarder = _Forwarder(require_key=True)  # a derived key satisfies a required one
     assert await _call(forwarder, ON, headers, BODY) == 503
     (request,) = forwarder.forwarded
-    assert request.cache_affinity_key == derive_affinity_key(CHAT, BODY, 2048)
+    derived = derive_prefix(CHAT, BODY, 256, 64)
+    assert derived is not None and derived.group is not None and derived.chain
+    assert request.cache_affinity_key == derived.key
+    assert (request.prefix_chain, request.prefix_group) == (derived.chain, derived.group)
     assert all(name != b"x-cache-affinity-key" for name, _ in request.headers)
+    # The flags' block bytes and depth are the ones used.
+    small = ProxyConfig(
+        accept_openai_requests=True,
+        derive_affinity_key=True,
+        derive_affinity_key_block_bytes=64,
+        derive_affinity_key_depth=3,
+    )
+    forwarder = _Forwarder()
+    await _call(forwarder, small, headers, BODY)
+    assert forwarder.forwarded[0].prefix_chain == derive_prefix(CHAT, BODY, 64, 3).chain  # type: ignore[union-attr]
+    assert len(forwarder.forwarded[0].prefix_chain) == 3
 
 
 async def test_an_explicit_key_wins_and_is_forwarded() -> None:
@@ -259,6 +323,7 @@ async def test_an_explicit_key_wins_and_is_forwarded() -> None:
     (request,) = forwarder.forwarded
     assert request.cache_affinity_key == "mine"
     assert (b"x-cache-affinity-key", b"mine") in request.headers
+    assert (request.prefix_chain, request.prefix_group) == ((), None)  # replaced too
 
 
 @pytest.mark.parametrize("headers", [{}, HEADER_FORM], ids=["openai-form", "header-form"])
@@ -308,3 +373,35 @@ async def test_the_header_form_checks_the_algorithm_before_reading_the_body(meth
     # The key requirement waits for the body: it is read, and its derived key satisfies it.
     assert await _call(forwarder, ON, HEADER_FORM, BODY) == 503
     assert forwarder.body_read
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.one_of(
+        st.binary(max_size=512),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=40),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(
+                    st.sampled_from(["messages", "role", "content", "prompt", "text", "type"]),
+                    inner,
+                    max_size=4,
+                )
+            ),
+            max_leaves=20,
+        ).map(lambda document: json.dumps(document).encode()),
+    ),
+    path=st.sampled_from([CHAT, "/v1/completions", "/v1/responses"]),
+    block_bytes=st.integers(1, 64),
+    depth=st.integers(1, 8),
+)
+def test_any_body_gives_a_prefix_or_none_never_an_error(
+    body: bytes, path: str, block_bytes: int, depth: int
+) -> None:
+    """Bad input (not JSON, odd shapes, non-text parts) never raises: a derivation or None, and a
+    derivation always respects the depth and its group is one of its chain elements."""
+    derived = derive_prefix(path, body, block_bytes, depth)
+    if derived is not None:
+        assert derived.key.startswith(KEY_PREFIX) and len(derived.chain) <= depth
+        assert derived.group is None or derived.group in derived.chain

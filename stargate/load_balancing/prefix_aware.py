@@ -1,0 +1,398 @@
+"""prefix-aware: weighted rendezvous over a request's prefix, weighed against load.
+
+docs/prefix-routing.md has the design, its measurements and its trade-offs. Pure: no I/O, no
+clock, no randomness, and no state that depends on the requests routed, so two replicas given
+the same cluster snapshots make the same choice for the same request (agreement without gossip).
+
+One selection:
+
+1. *Weights.* Each cluster not excluded weighs 1. With `capacity_weights`, its weight is its
+   input TPS relative to the largest, rounded to a power of two (1, 1/2, 1/4...: `_rounded`); a
+   cluster without a valid TPS then does not take part, unless none has one (all weigh 1).
+   Off by default: the TPS a Pylon measures follows the prompts its engine happened to get (their
+   lengths, their cache hits) and moves 2x between identical engines, and every move of a weight
+   moves the keys near a boundary, so a conversation would change engines (and lose its cache).
+   A slow engine is left by step 5 instead, as its queue grows.
+2. *Group home.* A request with a prefix group (the chain element ending its system prompt,
+   `RoutingRequest.prefix_group`) has a group home: the first cluster of the group's weighted
+   rendezvous ranking. Its weight counts `group_boost` times for this request, so the
+   conversations of one system prompt lean towards one cluster (whose cache holds that prompt)
+   without all landing there.
+3. *Ranking.* Clusters are ranked by weighted rendezvous over the request's conversation key
+   (`cache_affinity_key`: derived, or the client's), highest score first, ties by cluster id, as
+   Pulsar ranks (stargate/load_balancing/hashing.py; the group key is hashed with its own tag).
+   Every turn of a conversation has the same key, so the same ranking.
+4. *Feasibility.* With `consider_kv_free_tokens`, a cluster without KV metrics or with fewer free
+   tokens than the request's input is skipped (Pulsar's rule).
+5. *Load.* The first feasible cluster of the ranking (the *home*) is chosen unless its queue
+   delay exceeds the least queue delay among the feasible clusters by more than what its cache
+   saves (the prefill of the request's input at its TPS) plus `overflow_ms`. Then the walk goes
+   on down the ranking, each later cluster allowed only `overflow_ms` above the least; the least
+   queued cluster always qualifies. Stats come from the Pylons and are the same on every replica,
+   so overflow agrees too (up to a heartbeat's skew).
+6. *Backend.* Steps 1 to 3 and 5 run again over the chosen cluster's backends (their ids, their
+   own stats), and the `Choice` carries that order: the forwarder tries the backends in it
+   instead of the cluster's round robin. Pylons registered without `--cluster-id` all share the
+   cluster "", so for such a fleet this is the step that places the request.
+
+At more than `EXACT_LIMIT` clusters, the ranking covers the candidates found by `PROBES` probes
+of multi-probe consistent hashing (each probe a point of the key on a ring of cluster-id hashes,
+`VIRTUAL_NODES` per cluster: the cluster owning the next point), and step 1's "none has a TPS"
+rule looks at those candidates only, so a decision costs O(PROBES log n), not O(n). The ring
+depends on the cluster ids only, so it is rebuilt when the set changes, never when stats do.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
+from typing import Final
+
+from xxhash import xxh3_64_intdigest
+
+from stargate.load_balancing.balancers import (
+    Choice,
+    RoutingRequest,
+    delay,
+    input_tps,
+    queue_delay_ms,
+)
+from stargate.load_balancing.hashing import pulsar_prefix, rendezvous_score, tagged
+from stargate.load_balancing.pulsar import Feasibility, feasibility
+from stargate.routing.state import BackendSnapshot, ClusterSnapshot
+from stargate.routing.stats import ModelStats
+
+__all__ = [
+    "DEFAULT_GROUP_BOOST",
+    "DEFAULT_OVERFLOW_MS",
+    "EXACT_LIMIT",
+    "PROBES",
+    "VIRTUAL_NODES",
+    "PrefixAware",
+    "prefix_ranking",
+]
+
+DEFAULT_GROUP_BOOST: Final = 2.0
+DEFAULT_OVERFLOW_MS: Final = 1000
+"""Pylon stats arrive once a heartbeat (1 s) and lag the engine by as much: a smaller margin
+moves conversations on stale queue figures (docs/prefix-routing.md, Load)."""
+EXACT_LIMIT: Final = 64
+"""Up to this many clusters, every one is ranked."""
+MIN_WEIGHT_EXPONENT: Final = -30
+"""The smallest weight is 2**-30 of the largest (a cluster still takes part)."""
+GROUP_HOMES_LIMIT: Final = 4096
+"""Group homes remembered per balancer (emptied when full, and when the cluster ids change)."""
+VIRTUAL_NODES: Final = 16
+"""Points per cluster on the multi-probe ring."""
+PROBES: Final = 16
+"""Above `EXACT_LIMIT`, the candidates a key's probes find on the ring (at most)."""
+_PROBE_SUFFIXES: Final = tuple(probe.to_bytes(2, "little") for probe in range(PROBES))
+
+
+class _Ring:
+    """Each cluster id placed at `VIRTUAL_NODES` points (XXH3-64 hashes), for multi-probe
+    candidate sets; several points per cluster even out the arcs a probe can land in."""
+
+    __slots__ = ("ids", "owners", "points")
+
+    def __init__(self, ids: tuple[str, ...]) -> None:
+        placed = sorted(
+            (
+                xxh3_64_intdigest(
+                    tagged(b"ring", cluster_id.encode()) + node.to_bytes(2, "little")
+                ),
+                index,
+            )
+            for index, cluster_id in enumerate(ids)
+            for node in range(VIRTUAL_NODES)
+        )
+        self.ids = ids
+        self.points = [point for point, _ in placed]
+        self.owners = [index for _, index in placed]
+
+    def candidates(self, key: bytes, count: int) -> list[int]:
+        """Indices (into the id tuple) of the distinct clusters found by `count` probes."""
+        points, owners, size = self.points, self.owners, len(self.points)
+        found = {
+            owners[bisect.bisect_left(points, xxh3_64_intdigest(key + suffix)) % size]: None
+            for suffix in _PROBE_SUFFIXES[:count]
+        }
+        return list(found)
+
+
+_Id = Callable[[int], str]
+_Stats = Callable[[int], ModelStats]
+
+
+def _weights(
+    candidates: Sequence[int], ident: _Id, stats: _Stats, excluded: AbstractSet[str], capacity: bool
+) -> dict[int, float]:
+    """Step 1 over the candidates: each one's weight, 0 for one that does not take part."""
+    if not capacity:
+        return {i: 0.0 if ident(i) in excluded else 1.0 for i in candidates}
+    raw = {i: 0.0 if ident(i) in excluded else input_tps(stats(i)) for i in candidates}
+    largest = max(raw.values(), default=0.0)
+    if largest <= 0.0:
+        return {i: 0.0 if ident(i) in excluded else 1.0 for i in candidates}
+    return {i: _rounded(tps / largest) if tps > 0.0 else 0.0 for i, tps in raw.items()}
+
+
+def _rounded(share: float) -> float:
+    """`share` (in (0, 1]) rounded to the nearest power of two on a log scale: measured TPS moves
+    by tens of percent between heartbeats, and an unrounded weight would move the keys near each
+    boundary with it (a turn whose engine changes loses its cache)."""
+    return 2.0 ** max(round(math.log2(share)), MIN_WEIGHT_EXPONENT)
+
+
+def _ranked(
+    prefix: bytes, candidates: Sequence[int], ident: _Id, weights: dict[int, float]
+) -> list[int]:
+    """Weighted rendezvous (`pulsar_hash` of `prefix` and each id, scored by
+    `rendezvous_score`), highest first, ties by id; items of weight 0 are left out."""
+    scored: list[tuple[float, str, int]] = []
+    for index in candidates:
+        weight = weights[index]
+        if weight <= 0.0:
+            continue
+        name = ident(index)
+        score = rendezvous_score(weight, xxh3_64_intdigest(prefix + _id_field(name)))
+        if score is not None:
+            scored.append((-score, name, index))
+    scored.sort()
+    return [index for _, _, index in scored]
+
+
+@functools.lru_cache(maxsize=65_536)
+def _id_field(cluster_id: str) -> bytes:
+    """The tagged `cluster_id` field `pulsar_hash` appends (cached: ids recur on every request)."""
+    return tagged(b"cluster_id", cluster_id.encode())
+
+
+def _keys(seed: str, request: RoutingRequest, group_boost: float) -> tuple[bytes, bytes | None]:
+    """The request's ranking key and, when it has a group that counts, the group's."""
+    key = pulsar_prefix(seed, request.routing_key, request.model_id, request.cache_affinity_key)
+    if request.prefix_group is None or group_boost == 1.0:
+        return key, None
+    group_key = pulsar_prefix(seed, request.routing_key, request.model_id, None) + tagged(
+        b"prefix_group", request.prefix_group.to_bytes(8, "little")
+    )
+    return key, group_key
+
+
+def _rank(
+    keys: tuple[bytes, bytes | None],
+    count: int,
+    ident: _Id,
+    stats: _Stats,
+    excluded: AbstractSet[str],
+    group_boost: float,
+    capacity: bool,
+    ring: _Ring | None = None,
+    group_homes: dict[bytes, int] | None = None,
+) -> list[int]:
+    """Steps 1 to 3 over `count` items (clusters, or one cluster's backends). `group_homes`
+    caches each group's home: only valid while the items' ids and weights stay the same."""
+    key, group_key = keys
+    candidates: Sequence[int] = range(count) if ring is None else ring.candidates(key, PROBES)
+    weights = _weights(candidates, ident, stats, excluded, capacity)
+    if group_key is not None:
+        home = None if group_homes is None else group_homes.get(group_key)
+        if home is None:
+            group_candidates = candidates if ring is None else ring.candidates(group_key, PROBES)
+            missing = [i for i in group_candidates if i not in weights]
+            weights.update(_weights(missing, ident, stats, excluded, capacity))
+            homes = _ranked(group_key, group_candidates, ident, weights)
+            home = homes[0] if homes else -1
+            if group_homes is not None:
+                if len(group_homes) >= GROUP_HOMES_LIMIT:
+                    group_homes.clear()
+                group_homes[group_key] = home
+        if home >= 0:
+            if home not in candidates:  # the group's home, found by its own probes
+                candidates = [*candidates, home]
+                if home not in weights:
+                    weights.update(_weights([home], ident, stats, excluded, capacity))
+            weights[home] *= group_boost
+    return _ranked(key, candidates, ident, weights)
+
+
+def prefix_ranking(
+    seed: str,
+    clusters: Sequence[ClusterSnapshot],
+    request: RoutingRequest,
+    excluded: AbstractSet[str] = frozenset(),
+    group_boost: float = DEFAULT_GROUP_BOOST,
+    ring: _Ring | None = None,
+    capacity_weights: bool = False,
+) -> list[int]:
+    """Steps 1 to 3: indices into `clusters` of the ranked clusters, best first. `ring` (the
+    ring of `clusters`' ids) limits the ranking to its probes' candidates."""
+    return _rank(
+        _keys(seed, request, group_boost),
+        len(clusters),
+        lambda i: clusters[i].cluster_id,
+        lambda i: clusters[i].stats,
+        excluded,
+        group_boost,
+        capacity_weights,
+        ring,
+    )
+
+
+def _overflow(
+    ranked: Sequence[int], queue_ms: Callable[[int], float], saved_ms: float, overflow_ms: int
+) -> int:
+    """Step 5: the position in `ranked` (non-empty) to choose: the home (0) unless its queue
+    delay exceeds the least by more than `saved_ms + overflow_ms`; then the first later one
+    within `overflow_ms` of the least (the least queued always is)."""
+    home = queue_ms(ranked[0])
+    if home <= saved_ms + overflow_ms:
+        return 0  # its excess over the least cannot be more (queue delays are not negative)
+    queue = [home, *(queue_ms(index) for index in ranked[1:])]
+    least = min(queue)
+
+    def excess(position: int) -> float:  # inf - inf would be NaN: equal is no excess
+        return 0.0 if queue[position] == least else queue[position] - least
+
+    if excess(0) <= saved_ms + overflow_ms:
+        return 0
+    return next(p for p in range(1, len(ranked)) if excess(p) <= overflow_ms)
+
+
+def _saved_ms(stats: ModelStats, request: RoutingRequest) -> float:
+    """What the home's cache is expected to save: the prefill of the request's input."""
+    saved = delay(request.input_tokens, input_tps(stats)) * 1000.0
+    return saved if math.isfinite(saved) else 0.0
+
+
+class PrefixAware:
+    """docs/prefix-routing.md: the module docstring's steps, for the cluster and then for the
+    backend inside it."""
+
+    __slots__ = (
+        "_group_homes",
+        "_ids",
+        "_ring",
+        "_source",
+        "capacity_weights",
+        "consider_kv_free_tokens",
+        "group_boost",
+        "overflow_ms",
+        "seed",
+    )
+
+    name: Final = "prefix-aware"
+
+    def __init__(
+        self,
+        *,
+        seed: str = "",
+        consider_kv_free_tokens: bool = False,
+        group_boost: float = DEFAULT_GROUP_BOOST,
+        overflow_ms: int = DEFAULT_OVERFLOW_MS,
+        capacity_weights: bool = False,
+    ) -> None:
+        if not (math.isfinite(group_boost) and group_boost >= 1.0):
+            raise ValueError(f"group_boost must be finite and at least 1, got {group_boost}")
+        self.seed = seed
+        self.consider_kv_free_tokens = consider_kv_free_tokens
+        self.group_boost = float(group_boost)
+        self.overflow_ms = overflow_ms
+        self.capacity_weights = capacity_weights
+        self._source: Sequence[ClusterSnapshot] | None = None
+        self._ids: tuple[str, ...] = ()
+        self._ring: _Ring | None = None
+        self._group_homes: dict[bytes, int] = {}
+
+    def _refresh(self, clusters: Sequence[ClusterSnapshot]) -> None:
+        """Keep the ring (above EXACT_LIMIT clusters) and the group homes for `clusters`' ids.
+        The routing state hands out the same tuple until the target changes, so this is usually
+        one identity test; a new tuple with the same ids (new stats) keeps both."""
+        if clusters is self._source:
+            return
+        self._source = clusters
+        ids = tuple(cluster.cluster_id for cluster in clusters)
+        if ids == self._ids:
+            return
+        self._ids = ids
+        self._group_homes.clear()
+        self._ring = _Ring(ids) if len(ids) > EXACT_LIMIT else None
+
+    def choose(
+        self,
+        clusters: Sequence[ClusterSnapshot],
+        request: RoutingRequest,
+        excluded: AbstractSet[str],
+    ) -> Choice | None:
+        if not clusters:
+            return None
+        self._refresh(clusters)
+        keys = _keys(self.seed, request, self.group_boost)
+        # Homes depend on the ids alone unless weights (or exclusions) change them.
+        cacheable = not excluded and not self.capacity_weights
+        ranking = _rank(
+            keys,
+            len(clusters),
+            lambda i: clusters[i].cluster_id,
+            lambda i: clusters[i].stats,
+            excluded,
+            self.group_boost,
+            self.capacity_weights,
+            self._ring,
+            self._group_homes if cacheable else None,
+        )
+        verdicts = [
+            feasibility(clusters[i], request.input_tokens, excluded, self.consider_kv_free_tokens)
+            for i in ranking
+        ]
+        feasible = [p for p, verdict in enumerate(verdicts) if verdict is Feasibility.ELIGIBLE]
+        if not feasible:
+            return None
+        home = clusters[ranking[feasible[0]]]
+        step = _overflow(
+            [ranking[p] for p in feasible],
+            lambda i: queue_delay_ms(clusters[i], request),
+            _saved_ms(home.stats, request),
+            self.overflow_ms,
+        )
+        position = feasible[step]
+        cluster = clusters[ranking[position]]
+        kv_skipped = any(verdict.kv_skip for verdict in verdicts[:position])
+        return Choice(cluster, position + 1, kv_skipped, self._backends(keys, cluster, request))
+
+    def _backends(
+        self, keys: tuple[bytes, bytes | None], cluster: ClusterSnapshot, request: RoutingRequest
+    ) -> tuple[BackendSnapshot, ...]:
+        """The cluster's backends in the order to try them: steps 1 to 3 and 5 again, over
+        backend ids and each backend's own stats (a Pylon without `--cluster-id` puts every
+        engine in one cluster, so this is where such a fleet's prefix routing happens)."""
+        backends = cluster.backends
+        if len(backends) < 2:
+            return backends
+        ranked = _rank(
+            keys,
+            len(backends),
+            lambda i: backends[i].inference_server_id,
+            lambda i: backends[i].stats,
+            frozenset(),
+            self.group_boost,
+            self.capacity_weights,
+        )
+        first = _overflow(
+            ranked,
+            lambda i: _backend_queue_ms(backends[i], cluster, request),
+            _saved_ms(backends[ranked[0]].stats, request),
+            self.overflow_ms,
+        )
+        order = [ranked[first], *ranked[:first], *ranked[first + 1 :]]
+        return tuple(backends[i] for i in order)
+
+
+def _backend_queue_ms(
+    backend: BackendSnapshot, cluster: ClusterSnapshot, request: RoutingRequest
+) -> float:
+    return queue_delay_ms(replace(cluster, stats=backend.stats), request)
