@@ -28,7 +28,7 @@ from benchmarks.common import PartResult, Suite, md_table, num, percentile
 from stargate.gc_policy import tune_for_serving
 from stargate.load_balancing.balancers import RoutingRequest
 from stargate.load_balancing.prefix_aware import PrefixAware
-from stargate.proxy.affinity_key import DEFAULT_BLOCK_BYTES, DEFAULT_DEPTH, derive_prefix
+from stargate.prefix_key import DEFAULT_BLOCK_BYTES, DEFAULT_DEPTH, derive_prefix
 from stargate.routing.state import ClusterSnapshot
 from stargate.routing.stats import ModelStats
 

@@ -217,6 +217,8 @@ def _target_view(routing: RoutingState, target: RoutingTargetKey) -> dict[str, A
                         "inference_server_id": backend.inference_server_id,
                         "rtt_ms": round(backend.rtt_ns / 1e6, 3),
                         "stats": dataclasses.asdict(backend.stats),
+                        # Cached prefix blocks its Pylon published (precise mode): the count only.
+                        "kv_blocks": len(backend.kv_blocks),
                     }
                     for backend in cluster.backends
                 ],

@@ -362,7 +362,7 @@ class ProxyConfig:
     lb_config_path: Path | None = None
     upstream_ca_file: Path | None = None
     max_connections_per_backend: int = DEFAULT_MAX_CONNECTIONS_PER_BACKEND
-    # docs/data-plane.md, "Derived affinity keys" (stargate/proxy/affinity_key.py).
+    # docs/data-plane.md, "Derived affinity keys" (stargate/prefix_key.py).
     derive_affinity_key: bool = False
     derive_affinity_key_block_bytes: int = DEFAULT_DERIVE_AFFINITY_KEY_BLOCK_BYTES
     derive_affinity_key_depth: int = DEFAULT_DERIVE_AFFINITY_KEY_DEPTH

@@ -9,7 +9,8 @@ D3):
 4. admit it (Admission) and reserve the id in the routing state (ALREADY_EXISTS for a live
    duplicate);
 5. for this and every later message, strictly in order: check the identity, get the backend's
-   RTT from its health monitor, apply the update to the routing state, send one ack;
+   RTT from its health monitor, apply the update to the routing state (its KV-block delta
+   first, when it carries one: docs/prefix-routing.md, "Precise mode"), send one ack;
 6. however the stream ends (client end, idle timeout, error status, disconnect, shutdown), remove
    every route of this exact registration.
 
@@ -271,6 +272,19 @@ class RegistrationService:
                         rtt_ns = await monitor.rtt_for_update() if connected else None
                         received_at = trio.current_time()
                         routes = routes_for_update(message, rtt_ns, received_at)
+                        if (
+                            message.kv_blocks_reset
+                            or message.kv_blocks_added
+                            or message.kv_blocks_removed
+                        ):
+                            # A delta applies once, in order; a verdict change never re-applies
+                            # it (on_verdict re-applies only the routes).
+                            self._routing.apply_kv_blocks(
+                                registration,
+                                reset=message.kv_blocks_reset,
+                                added=message.kv_blocks_added,
+                                removed=message.kv_blocks_removed,
+                            )
                         self._routing.apply(registration, routes)
                         latest = (message, received_at)
                         # A direct tunnel that cannot be dialed is not acked (the Rust rule):

@@ -27,11 +27,18 @@ The TTFT is `ttft_ms`, or with the prefix-cache model on (`prefix_cache_blocks` 
 (the cache is looked up and updated at that moment, in the order requests arrive; see
 docs/mock-backend.md); plus `prefill_ms_per_token` for each prompt token not cached. Every chat,
 completions and Responses answer that got that far then carries `x-mock-prefix-cache-hit-chars`
-and `x-mock-prefix-cache-prompt-chars`.
+and `x-mock-prefix-cache-prompt-chars`. With `engine_id` set (`--engine-id`, a hidden flag for
+benchmarks) every answer carries `x-mock-engine-id`, so a client behind any router knows which
+engine served it.
 
 `GET /metrics` (vLLM's Prometheus metrics), `GET /kv-cache/stats` (with a bounded KV cache) and
 `GET /pylon/v1/stats/stream` (NDJSON, with `engine_stats_stream`) report the engine's load; they
 are not counted in `counters.requests`.
+
+With `kv_events.endpoint` set (`--kv-events-endpoint`, `stargate.mock.kv_events`) the prefix
+cache keys its blocks by the router's prefix chain of the raw request (a block is
+`kv_events.block_bytes` bytes of the router's prompt stream) and publishes its changes as vLLM's
+KV events.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ from stargate.mock.control import (
     apply_prefix_cache_control,
 )
 from stargate.mock.engine import Engine, RunningSequence, SequenceInfo
+from stargate.mock.kv_events import KvEventPublisher, KvEventsConfig
 from stargate.mock.prefix_cache import PrefixCache
 from stargate.mock.shapes import RequestError
 from stargate.mock.stats_stream import NDJSON_HEADERS
@@ -97,6 +105,7 @@ _SSE_HEADERS = [
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 HIT_CHARS_HEADER = b"x-mock-prefix-cache-hit-chars"
 PROMPT_CHARS_HEADER = b"x-mock-prefix-cache-prompt-chars"
+ENGINE_ID_HEADER = b"x-mock-engine-id"
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -118,6 +127,11 @@ class MockBackendConfig:
     prefill_ms_per_token: float = 0.0
     kv_cache_tokens: int = 0
     engine_stats_stream: bool = False
+    engine_id: str = ""
+    """Sent as `x-mock-engine-id` on every answer when set (which engine served a request,
+    whatever router stands in front of it; the affinity benchmark's engine shares)."""
+    kv_events: KvEventsConfig = dataclasses.field(default_factory=KvEventsConfig)
+    """Publish the prefix cache's changes as vLLM's KV events (`stargate.mock.kv_events`)."""
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -128,6 +142,8 @@ class MockBackendConfig:
             raise ValueError("tokens must be at least 1")
         if self.kv_cache_tokens < 0:
             raise ValueError("kv_cache_tokens must be non-negative")
+        if not all(" " < char < "\x7f" for char in self.engine_id):
+            raise ValueError("engine_id must be visible ASCII (it is sent as a header value)")
         self.prefix_cache_knobs()  # validates them
         self.batching_knobs()
 
@@ -240,11 +256,17 @@ class MockBackend:
         self.knobs = self.defaults
         self.prefix_cache_defaults = config.prefix_cache_knobs()
         self.prefix_cache_knobs = self.prefix_cache_defaults
+        self.kv_events = KvEventPublisher(config.kv_events) if config.kv_events.enabled else None
+        # The request being planned, for the KV-events chain (plans are synchronous).
+        self._planning: tuple[str, bytes] = ("", b"")
         self.prefix_cache = PrefixCache(
-            self.prefix_cache_knobs.blocks, self.prefix_cache_knobs.block_chars
+            self.prefix_cache_knobs.blocks, self._cache_block_chars(), self.kv_events
         )
         self.counters = Counters()
         self.in_flight = 0
+        self._engine_id_headers = (
+            [(ENGINE_ID_HEADER, config.engine_id.encode())] if config.engine_id else []
+        )
         self._ids = itertools.count(1)
         self.batching_defaults = config.batching_knobs()
         self.batching_knobs = self.batching_defaults
@@ -259,12 +281,19 @@ class MockBackend:
     def _fit_prefix_cache(self) -> None:
         """Give the prefix cache its capacity: `prefix_cache_blocks`, or with a bounded KV cache
         at most the blocks the running sequences leave free (evicting down to that)."""
-        knobs = self.prefix_cache_knobs
+        block_chars = self._cache_block_chars()
         capacity = prefix_cache.capacity_within_kv(
-            knobs.blocks, knobs.block_chars, self.engine.scheduler.kv_free
+            self.prefix_cache_knobs.blocks, block_chars, self.engine.scheduler.kv_free
         )
-        evicted = self.prefix_cache.configure(capacity, knobs.block_chars)
+        evicted = self.prefix_cache.configure(capacity, block_chars)
         self.counters.prefix_cache.evicted_blocks += evicted
+
+    def _cache_block_chars(self) -> int:
+        """The cache's block: `prefix_cache_block_chars`, or with KV events the router's block
+        (`kv_events.block_bytes`), whatever the knob says."""
+        if self.kv_events is not None:
+            return self.config.kv_events.block_bytes
+        return self.prefix_cache_knobs.block_chars
 
     # ---------------------------------------------------------------- dispatch
 
@@ -302,6 +331,7 @@ class MockBackend:
 
     def _common_headers(self, scope: ASGIScope) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-mock-request-count", str(self.counters.requests_total).encode())]
+        headers.extend(self._engine_id_headers)
         request_id = _header(scope, b"x-request-id")
         if request_id is not None:
             headers.append((b"x-request-id", request_id))
@@ -421,7 +451,14 @@ class MockBackend:
             "kv_cache_tokens": self.config.kv_cache_tokens,
             "kv_cache_used_tokens": self.engine.kv_used,
             "counters": self.counters.to_json(cached_blocks=len(self.prefix_cache)),
+            **self._kv_events_json(),
         }
+
+    def _kv_events_json(self) -> dict[str, Any]:
+        publisher = self.kv_events
+        if publisher is None:
+            return {}
+        return {"kv_events": {"sent": publisher.sent, "dropped": publisher.dropped}}
 
     async def _control(
         self, scope: ASGIScope, body: bytes, receive: ASGIReceive, send: ASGISend
@@ -499,7 +536,11 @@ class MockBackend:
             if model not in self._served:
                 served = ", ".join(self.models)
                 raise RequestError(f"the model '{model}' is not served here (serving: {served})")
-            planned = plan(self, scope, request, knobs)
+            self._planning = (scope["path"], body)
+            try:
+                planned = plan(self, scope, request, knobs)
+            finally:
+                self._planning = ("", b"")
         except RequestError as error:
             await self._json(scope, send, 400, shapes.error_body(str(error), code=error.code))
             return
@@ -687,7 +728,12 @@ class MockBackend:
         cache_knobs = self.prefix_cache_knobs
         if not cache_knobs.enabled:
             return knobs.ttft_ms + per_token * prompt_tokens, ()
-        lookup = self.prefix_cache.lookup_and_insert(cache_text(request))
+        if self.kv_events is not None:
+            path, body = self._planning
+            chain = self.kv_events.chain(path, body)
+            lookup = self.prefix_cache.lookup_and_insert_chain(chain, len(cache_text(request)))
+        else:
+            lookup = self.prefix_cache.lookup_and_insert(cache_text(request))
         self.counters.prefix_cache.count(lookup)
         ttft_ms = prefix_cache.ttft_ms(knobs.ttft_ms, lookup.hit_fraction, cache_knobs.speedup)
         if per_token:

@@ -3,6 +3,9 @@
 It serves the OpenAI inference endpoints, `/v1/models`, `/health` and `/test-control`, and for
 whatever watches an engine's load, vLLM's `/metrics` (always), `/kv-cache/stats` (with
 `--kv-cache-tokens`) and the NDJSON `/pylon/v1/stats/stream` (with `--engine-stats-stream`).
+With `--kv-events-endpoint` it also publishes its prefix cache's changes as vLLM's KV events on a
+ZMQ PUB socket (`stargate/mock/kv_events.py`), bound before the server starts and closed when
+it has drained.
 
 `run_mock_backend` serves one `MockBackend` with Hypercorn's trio worker on a pre-bound socket
 (`stargate/serving.py`, the same machinery as the replica's listeners); `mock_backend_command` is
@@ -74,10 +77,21 @@ async def run_mock_backend(
             await trigger()
             backend.engine.stats.close()
 
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_asgi, backend, sock, server_config, stop_serving)
-            log.info("mock backend listening on %s", ListenAddress(config.host, port))
-            task_status.started(port)
+        publisher = backend.kv_events
+        if publisher is not None:
+            publisher.bind()
+        try:
+            async with trio.open_nursery() as publishing:
+                if publisher is not None:
+                    publishing.start_soon(publisher.run)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(serve_asgi, backend, sock, server_config, stop_serving)
+                    log.info("mock backend listening on %s", ListenAddress(config.host, port))
+                    task_status.started(port)
+                publishing.cancel_scope.cancel()  # served and drained: nothing more to publish
+        finally:
+            if publisher is not None:
+                publisher.close()
     finally:
         sock.close()
 
@@ -148,6 +162,22 @@ def _finite(value: float) -> float:
     if not 0.0 <= value < float("inf"):
         raise ValueError(f"{value} is not a finite non-negative number")
     return value
+
+
+def _engine_id(value: str) -> str:
+    """Visible ASCII only: it is sent as a header value."""
+    if not all(" " < char < "\x7f" for char in value):
+        raise ValueError(f"{value!r} is not visible ASCII (no spaces or control characters)")
+    return value
+
+
+def _kv_events_endpoint(value: str | None) -> str | None:
+    """`tcp://IP:PORT` or `tcp://*:PORT` (every interface); empty: off."""
+    if value is None or not value.strip():
+        return None
+    from stargate.protocol.kv_events import parse_tcp_endpoint
+
+    return parse_tcp_endpoint(value, bind=True)
 
 
 def _models(models: tuple[str, ...]) -> tuple[str, ...]:
@@ -266,6 +296,42 @@ MOCK_BACKEND = Settings(
         kind="switch",
         help="Serve GET /pylon/v1/stats/stream: NDJSON per-request progress (tokens processed and "
         "generated) and a ping every 5 s, for a router following the engine's load.",
+    ),
+    Setting(
+        "--engine-id",
+        env="STARGATE_MOCK_ENGINE_ID",
+        to="engine_id",
+        parse=_engine_id,
+        hidden=True,
+        help="Send this as x-mock-engine-id on every answer: which engine served a request, "
+        "whatever router stands in front (benchmarks; empty: no header).",
+    ),
+    Setting(
+        "--kv-events-endpoint",
+        env="STARGATE_MOCK_KV_EVENTS_ENDPOINT",
+        to="kv_events.endpoint",
+        parse=_kv_events_endpoint,
+        metavar="tcp://IP:PORT",
+        help="Publish the prefix cache's changes as vLLM's KV events (BlockStored, BlockRemoved, "
+        "AllBlocksCleared) on a ZMQ PUB socket bound here, for stargate pylon "
+        "--kv-events-endpoint; the cache's blocks are then the router's prefix-chain blocks. "
+        "[default: off]",
+    ),
+    Setting(
+        "--kv-events-block-bytes",
+        env="STARGATE_MOCK_KV_EVENTS_BLOCK_BYTES",
+        to="kv_events.block_bytes",
+        type=click.IntRange(min=1),
+        help="With --kv-events-endpoint: bytes of the router's prompt stream per cache block; "
+        "the router's --derive-affinity-key-block-bytes, so the published hashes are its chain.",
+    ),
+    Setting(
+        "--kv-events-depth",
+        env="STARGATE_MOCK_KV_EVENTS_DEPTH",
+        to="kv_events.depth",
+        type=click.IntRange(min=1),
+        help="With --kv-events-endpoint: blocks of a prompt's chain at most (the router's "
+        "--derive-affinity-key-depth); later blocks are never cached.",
     ),
     *log_settings("STARGATE_MOCK_LOG_LEVEL", "STARGATE_MOCK_LOG_FORMAT"),
 )

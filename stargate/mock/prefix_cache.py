@@ -18,19 +18,29 @@ order. See docs/mock-backend.md for the model as a whole.
   `uncached_tokens` counts the prompt tokens left to prefill.
 * `capacity_within_kv` puts the cache inside a bounded KV cache (`--kv-cache-tokens`): it may
   hold only the blocks the running sequences leave free (see docs/mock-backend.md).
+* With KV events on (`--kv-events-endpoint`, `stargate.mock.kv_events`) the blocks are keyed
+  by the router's prefix chain instead (`lookup_and_insert_chain`: integers computed by the
+  caller), and a `CacheListener` hears of every change in order: the blocks each operation
+  stored (as runs of consecutive chain elements, each with its parent) and removed, and every
+  clear.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = [
     "DEFAULT_BLOCK_CHARS",
     "DEFAULT_SPEEDUP",
+    "BlockKey",
+    "CacheListener",
     "Lookup",
     "PrefixCache",
+    "StoredRun",
     "block_hashes",
     "capacity_within_kv",
     "tokens_per_block",
@@ -48,6 +58,30 @@ CHARS_PER_TOKEN = 4
 
 _DIGEST_BYTES = 16
 _ROOT = bytes(_DIGEST_BYTES)
+
+BlockKey = bytes | int
+"""A block's identity: a blake2b chain digest of the prompt text, or (KV events on) an element
+of the router's prefix chain."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """Consecutive chain elements one insertion added, first to last; `parent` is the element
+    before the first (None: the first block of the prompt)."""
+
+    keys: tuple[BlockKey, ...]
+    parent: BlockKey | None
+
+
+class CacheListener(Protocol):
+    """Hears of every change of a `PrefixCache`, in order (the KV event publisher)."""
+
+    def blocks_changed(self, stored: Sequence[StoredRun], removed: Sequence[BlockKey]) -> None:
+        """One operation stored `stored` and then removed `removed` (either may be empty, never
+        both)."""
+
+    def blocks_cleared(self) -> None:
+        """The cache was emptied."""
 
 
 def block_hashes(text: str, block_chars: int) -> list[bytes]:
@@ -116,17 +150,25 @@ def capacity_within_kv(blocks: int, block_chars: int, kv_free_tokens: int | None
 
 
 class PrefixCache:
-    """An LRU of at most `capacity` prompt blocks of `block_chars` characters (0 = off)."""
+    """An LRU of at most `capacity` prompt blocks of `block_chars` characters (0 = off).
 
-    def __init__(self, capacity: int = 0, block_chars: int = DEFAULT_BLOCK_CHARS) -> None:
+    `listener` hears of every block stored and removed and of every clear (module docstring)."""
+
+    def __init__(
+        self,
+        capacity: int = 0,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        listener: CacheListener | None = None,
+    ) -> None:
         if capacity < 0:
             raise ValueError("capacity must be non-negative")
         if block_chars < 1:
             raise ValueError("block_chars must be at least 1")
         self._capacity = capacity
         self._block_chars = block_chars
+        self._listener = listener
         # Least recently used first; the values are unused.
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, None] = OrderedDict()
 
     @property
     def capacity(self) -> int:
@@ -145,6 +187,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._blocks.clear()
+        if self._listener is not None:
+            self._listener.blocks_cleared()
 
     def configure(self, capacity: int, block_chars: int) -> int:
         """Change the capacity and block size; returns the number of blocks evicted.
@@ -159,10 +203,13 @@ class PrefixCache:
         evicted = 0
         if block_chars != self._block_chars:
             evicted = len(self._blocks)
-            self._blocks.clear()
+            self.clear()
         self._capacity = capacity
         self._block_chars = block_chars
-        return evicted + self._evict()
+        removed = self._evict()
+        if removed and self._listener is not None:
+            self._listener.blocks_changed((), removed)
+        return evicted + len(removed)
 
     def cached_blocks(self, text: str) -> int:
         """How many leading whole blocks of `text` are cached (no change to the LRU order)."""
@@ -176,26 +223,60 @@ class PrefixCache:
     def lookup_and_insert(self, text: str) -> Lookup:
         """Look `text` up, then insert or refresh all its whole blocks (see the module doc)."""
         hashes = block_hashes(text, self._block_chars)
+        return self._lookup_and_insert(hashes, len(text))
+
+    def lookup_and_insert_chain(self, chain: Sequence[int], prompt_chars: int) -> Lookup:
+        """The same for a prompt whose blocks the caller keyed (KV events on: the router's
+        prefix chain, a block `block_chars` bytes of the router's prompt stream). `prompt_chars`
+        is the prompt's length; the hit is `hit_blocks * block_chars`, at most `prompt_chars`
+        (the router's stream frames a message as the mock's cache text does, but counts UTF-8
+        bytes, not characters)."""
+        return self._lookup_and_insert(chain, prompt_chars)
+
+    def _lookup_and_insert(self, keys: Sequence[BlockKey], prompt_chars: int) -> Lookup:
         blocks = self._blocks
         hits = 0
-        for block_hash in hashes:
-            if block_hash not in blocks:
+        for key in keys:
+            if key not in blocks:
                 break
             hits += 1
         evicted = 0
         if self._capacity > 0:
-            for block_hash in reversed(hashes):
-                if block_hash in blocks:
-                    blocks.move_to_end(block_hash)
+            listener = self._listener
+            inserted: list[int] = []
+            for index in range(len(keys) - 1, -1, -1):
+                key = keys[index]
+                if key in blocks:
+                    blocks.move_to_end(key)
                 else:
-                    blocks[block_hash] = None
-            evicted = self._evict()
-        return Lookup(len(text), hits, hits * self._block_chars, evicted)
+                    blocks[key] = None
+                    inserted.append(index)
+            removed = self._evict()
+            evicted = len(removed)
+            if listener is not None and (inserted or removed):
+                listener.blocks_changed(_runs(keys, inserted[::-1]), removed)
+        hit_chars = min(hits * self._block_chars, prompt_chars)
+        return Lookup(prompt_chars, hits, hit_chars, evicted)
 
-    def _evict(self) -> int:
+    def _evict(self) -> list[BlockKey]:
+        """Evict least recently used blocks down to the capacity; the keys evicted, in order."""
         blocks = self._blocks
-        evicted = 0
+        removed: list[BlockKey] = []
         while len(blocks) > self._capacity:
-            blocks.popitem(last=False)
-            evicted += 1
-        return evicted
+            removed.append(blocks.popitem(last=False)[0])
+        return removed
+
+
+def _runs(keys: Sequence[BlockKey], indices: list[int]) -> list[StoredRun]:
+    """The inserted `indices` (ascending) of a prompt's `keys` as runs of consecutive elements."""
+    runs: list[StoredRun] = []
+    start = 0
+    while start < len(indices):
+        end = start
+        while end + 1 < len(indices) and indices[end + 1] == indices[end] + 1:
+            end += 1
+        first = indices[start]
+        parent = keys[first - 1] if first > 0 else None
+        runs.append(StoredRun(tuple(keys[first : indices[end] + 1]), parent))
+        start = end + 1
+    return runs

@@ -100,7 +100,7 @@ class ModelStats(_message.Message):
     def __init__(self, last_mean_input_tps: _Optional[float] = ..., output_tps: _Optional[float] = ..., queue_size: _Optional[int] = ..., queued_input_size: _Optional[int] = ..., max_output_tps: _Optional[float] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., kv_cache_used_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., num_running_queries: _Optional[int] = ..., max_engine_concurrency: _Optional[int] = ..., total_query_input_size: _Optional[int] = ..., queue_time_estimate_ms_by_priority: _Optional[_Mapping[int, int]] = ..., input_processing_queries: _Optional[int] = ..., output_generation_queries: _Optional[int] = ..., stats_observed_at_unix_ms: _Optional[int] = ..., stats_capabilities: _Optional[_Iterable[str]] = ..., stats_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InferenceServerRegistration(_message.Message):
-    __slots__ = ("inference_server_id", "inference_server_url", "models", "reverse_tunnel", "cluster_id")
+    __slots__ = ("inference_server_id", "inference_server_url", "models", "reverse_tunnel", "cluster_id", "kv_blocks_reset", "kv_blocks_added", "kv_blocks_removed")
     class ModelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,12 +113,18 @@ class InferenceServerRegistration(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     REVERSE_TUNNEL_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RESET_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     inference_server_id: str
     inference_server_url: str
     models: _containers.MessageMap[str, InferenceServerModelRegistration]
     reverse_tunnel: bool
     cluster_id: str
-    def __init__(self, inference_server_id: _Optional[str] = ..., inference_server_url: _Optional[str] = ..., models: _Optional[_Mapping[str, InferenceServerModelRegistration]] = ..., reverse_tunnel: _Optional[bool] = ..., cluster_id: _Optional[str] = ...) -> None: ...
+    kv_blocks_reset: bool
+    kv_blocks_added: _containers.RepeatedScalarFieldContainer[int]
+    kv_blocks_removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, inference_server_id: _Optional[str] = ..., inference_server_url: _Optional[str] = ..., models: _Optional[_Mapping[str, InferenceServerModelRegistration]] = ..., reverse_tunnel: _Optional[bool] = ..., cluster_id: _Optional[str] = ..., kv_blocks_reset: _Optional[bool] = ..., kv_blocks_added: _Optional[_Iterable[int]] = ..., kv_blocks_removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InferenceServerModelRegistration(_message.Message):
     __slots__ = ("stats", "status")

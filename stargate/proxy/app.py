@@ -46,8 +46,8 @@ from stargate.asgi import (
 from stargate.config import ProxyConfig
 from stargate.logs import LoggedError
 from stargate.metrics import ProxyMetrics
+from stargate.prefix_key import derive_prefix
 from stargate.proxy import json_scan
-from stargate.proxy.affinity_key import derive_prefix
 from stargate.proxy.contract import (
     ENDPOINTS,
     ContractError,

@@ -23,6 +23,7 @@ import trio
 from stargate.clitools import LISTEN_ADDRESS, NON_NEGATIVE_INT, POSITIVE_INT, log_settings
 from stargate.config import parse_tunnel_protocol
 from stargate.logs import configure_logging
+from stargate.protocol.kv_events import parse_tcp_endpoint
 from stargate.pylon.config import (
     DEFAULT_HEALTH_PATHS,
     DEFAULT_STARGATE_PORT,
@@ -83,6 +84,13 @@ def _path(value: str | None) -> str | None:
     if not path.startswith("/") or any(ch.isspace() for ch in path):
         raise ValueError(f"{value!r} must be a path starting with '/'")
     return path
+
+
+def _kv_events_endpoint(value: str | None) -> str | None:
+    """`tcp://HOST:PORT`; empty: off."""
+    if value is None or not value.strip():
+        return None
+    return parse_tcp_endpoint(value)
 
 
 def _positive_finite(value: float | None) -> float | None:
@@ -339,6 +347,26 @@ PYLON = Settings(
         help="Without --kv-cache-stats-path: read KV-cache capacity and usage from the engine's "
         "Prometheus metrics here (vLLM, SGLang), so pulsar's consider_kv_free_tokens works "
         "against real engines. An empty value turns it off.",
+    ),
+    Setting(
+        "--kv-events-endpoint",
+        env="STARGATE_PYLON_KV_EVENTS_ENDPOINT",
+        to="side_channels.kv_events_endpoint",
+        parse=_kv_events_endpoint,
+        metavar="tcp://HOST:PORT",
+        section="Engine side channels",
+        help="Subscribe to the engine's KV events here (vLLM's ZMQ publisher, or stargate "
+        "mock-backend --kv-events-endpoint) and send every replica the engine's cached prefix "
+        "blocks, for precise prefix routing. [default: off]",
+    ),
+    Setting(
+        "--kv-events-max-blocks",
+        env="STARGATE_PYLON_KV_EVENTS_MAX_BLOCKS",
+        to="side_channels.kv_events_max_blocks",
+        type=POSITIVE_INT,
+        section="Engine side channels",
+        help="With --kv-events-endpoint: the block set is bounded to this many hashes; past it "
+        "the oldest stored blocks are dropped (and removed on the replicas).",
     ),
     Setting(
         "--initial-input-tps",

@@ -14,7 +14,9 @@ from urllib.parse import urlsplit
 from stargate.addresses import canonical_host, format_host_port, ip_literal, is_host_name
 from stargate.config import ListenAddress, TunnelProtocol
 from stargate.health_probe import DEFAULT_HEALTH_PATHS
+from stargate.protocol.kv_events import parse_tcp_endpoint
 from stargate.pylon.bringup import CalibrationConfig
+from stargate.pylon.kv_blocks import DEFAULT_MAX_BLOCKS
 from stargate.pylon.stats.admission import AdmissionConfig
 
 __all__ = [
@@ -227,12 +229,24 @@ class SideChannelConfig:
     engine_stats_stream_path: str = "/pylon/v1/stats/stream"
     kv_cache_stats_path: str | None = None
     engine_metrics_path: str | None = "/metrics"
+    kv_events_endpoint: str | None = None
+    """The engine's KV-event PUB socket, `tcp://HOST:PORT` (docs/prefix-routing.md, "Precise
+    mode"); None: off."""
+    kv_events_max_blocks: int = DEFAULT_MAX_BLOCKS
 
     def __post_init__(self) -> None:
         if self.engine_stats_stream not in ENGINE_STATS_STREAM_MODES:
             raise PylonConfigError(
                 f"engine stats stream mode must be one of {', '.join(ENGINE_STATS_STREAM_MODES)}"
             )
+        if self.kv_events_endpoint is not None:
+            try:
+                endpoint = parse_tcp_endpoint(self.kv_events_endpoint)
+            except ValueError as error:
+                raise PylonConfigError(f"--kv-events-endpoint: {error}") from None
+            object.__setattr__(self, "kv_events_endpoint", endpoint)
+        if self.kv_events_max_blocks < 1:
+            raise PylonConfigError("--kv-events-max-blocks must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)

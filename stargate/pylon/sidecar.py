@@ -7,7 +7,8 @@ first (every registration closes: the replicas stop routing here) and only then 
 drain its requests in flight:
 
 - the side channels (`collector.py`): the stale sweep, the engine stats stream, KV polling or
-  the engine's metrics;
+  the engine's metrics; with `--kv-events-endpoint`, the engine's KV events (`kv_events.py`)
+  into the block set (`kv_blocks.py`) whose deltas every registration message carries;
 - bring-up (`bringup.py`): a calibration per new model when `--do-calibration`, the canaries;
 - a health loop probing the engine every heartbeat (`http_health_probe` semantics);
 - with no explicit `--model-name`, a loop re-reading the engine's `GET /v1/models`;
@@ -68,10 +69,12 @@ from stargate.pylon.collector import (
 )
 from stargate.pylon.config import DialTarget, PylonConfig, advertise_host
 from stargate.pylon.hop import HopConfig, PylonHop
+from stargate.pylon.kv_blocks import KvBlockTracker
 from stargate.pylon.listener import PylonApp
 from stargate.pylon.snapshot import (
     ReplicaInfo,
     WatchResult,
+    attach_kv_delta,
     build_registration,
     desired_replicas,
     next_watch_target,
@@ -291,6 +294,13 @@ class Pylon:
         )
         self.url = config.request_path.advertise_url or ""
         """The URL registered as `inference_server_url` (known once the listener is bound)."""
+        channels = config.side_channels
+        self.kv_blocks: KvBlockTracker | None = (
+            KvBlockTracker(channels.kv_events_max_blocks)
+            if channels.kv_events_endpoint is not None
+            else None
+        )
+        """The engine's cached prefix blocks (`--kv-events-endpoint`), else None."""
         self._changed = trio.Event()
         self._results: dict[DialTarget, WatchResult] = {}
         self._watches: dict[DialTarget, _Task] = {}
@@ -513,6 +523,10 @@ class Pylon:
                     required=channels.engine_stats_stream == "required",
                 )
             )
+        if channels.kv_events_endpoint is not None and self.kv_blocks is not None:
+            from stargate.pylon.kv_events import kv_events_loop  # pyzmq, msgpack: only now
+
+            nursery.start_soon(kv_events_loop, channels.kv_events_endpoint, self.kv_blocks)
         if channels.kv_cache_stats_path is not None:
             path = channels.kv_cache_stats_path.lstrip("/")
             nursery.start_soon(kv_cache_loop, client, f"{base}/{path}", self.stats)
@@ -1039,9 +1053,20 @@ class Pylon:
     async def _send_snapshots(
         self, outbox: Outbox[pb.InferenceServerRegistration], replica: ReplicaInfo
     ) -> None:
+        """One stream's messages: the snapshot at once, every heartbeat and on every change.
+        With KV events each carries the stream's block delta (`kv_blocks.py`); the chunks of a
+        large reset go back to back, without waiting for the heartbeat."""
+        tracker = self.kv_blocks
+        cursor = tracker.cursor() if tracker is not None else None
         while True:
             changed = self._changed
-            outbox.put(self.registration(replica))
+            message = self.registration(replica)
+            if tracker is not None and cursor is not None:
+                attach_kv_delta(message, tracker.delta(cursor))
+            outbox.put(message)
+            if cursor is not None and cursor.syncing:
+                await trio.lowlevel.checkpoint()
+                continue
             with trio.move_on_after(self.config.heartbeat_seconds):
                 await changed.wait()
 

@@ -30,11 +30,13 @@ from stargate.pylon.config import (
     PylonConfigError,
     parse_dial_target,
 )
+from stargate.pylon.kv_blocks import KvDelta
 from stargate.routing.stats import ModelStats
 
 __all__ = [
     "ReplicaInfo",
     "WatchResult",
+    "attach_kv_delta",
     "build_registration",
     "desired_replicas",
     "model_stats_message",
@@ -98,6 +100,17 @@ def build_registration(
             for model_id, (stats, active) in models.items()
         },
     )
+
+
+def attach_kv_delta(message: pb.InferenceServerRegistration, delta: KvDelta) -> None:
+    """Put one stream's KV-block delta on its registration message (our fields 1000-1002,
+    docs/prefix-routing.md, "Precise mode"); an empty delta adds nothing to the wire."""
+    if delta.reset:
+        message.kv_blocks_reset = True
+    if delta.added:
+        message.kv_blocks_added.extend(delta.added)
+    if delta.removed:
+        message.kv_blocks_removed.extend(delta.removed)
 
 
 def parse_model_list(body: Any) -> tuple[str, ...]:

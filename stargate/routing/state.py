@@ -28,6 +28,12 @@ Demotion is by `inference_server_id` and ends with the registration: a new regis
 same id is routable only once its own probe has passed, which is exactly what lifts a demotion,
 so keeping it would change nothing but keep every departed engine's id (and `any_demoted`, which
 costs every request a set union) for the life of the replica.
+
+A backend whose Pylon publishes its engine's KV events (docs/prefix-routing.md, "Precise mode")
+has a set of cached prefix blocks (`kv_blocks.py`), per registration: `apply_kv_blocks` applies
+each message's delta, and every `BackendSnapshot` of the registration shares the set by
+reference (`BackendSnapshot.kv_blocks`, a live read-only view). A new stream starts from an empty
+set (its first message is a reset), and the set goes with the registration.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
 from typing import Final
 
+from stargate.routing.kv_blocks import MAX_KV_BLOCKS, KvBlocks
 from stargate.routing.stats import (
     ModelStats,
     aggregate_stats,
@@ -47,6 +55,7 @@ from stargate.routing.stats import (
 )
 
 __all__ = [
+    "NO_KV_BLOCKS",
     "UNMEASURED_INPUT_TPS",
     "AlreadyRegistered",
     "BackendRoute",
@@ -114,7 +123,7 @@ class ClusterGeneration:
 class Registration:
     """One admitted registration stream. Compared by identity, never by id string."""
 
-    __slots__ = ("_applying_previous", "cluster", "ended", "identity", "models")
+    __slots__ = ("_applying_previous", "cluster", "ended", "identity", "kv_blocks", "models")
 
     def __init__(self, identity: RegistrationIdentity, cluster: ClusterGeneration) -> None:
         self.identity = identity
@@ -122,6 +131,14 @@ class Registration:
         self.models: frozenset[str] = frozenset()  # the advertised set
         self._applying_previous: frozenset[str] | None = None
         self.ended = False
+        self.kv_blocks: KvBlocks | None = None
+        """The engine's cached prefix blocks, once its Pylon published a KV delta."""
+
+    @property
+    def kv_view(self) -> AbstractSet[int]:
+        """What `BackendSnapshot.kv_blocks` shows: the live set, or `NO_KV_BLOCKS`."""
+        blocks = self.kv_blocks
+        return NO_KV_BLOCKS if blocks is None else blocks.view
 
     def target(self, model_id: str) -> RoutingTargetKey:
         return RoutingTargetKey(self.identity.routing_key, model_id)
@@ -139,15 +156,26 @@ class BackendRoute:
     received_at: float
 
 
+NO_KV_BLOCKS: Final[AbstractSet[int]] = frozenset()
+"""`BackendSnapshot.kv_blocks` of a backend whose Pylon publishes no KV events."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSnapshot:
     """One active backend of one target. Immutable: replaced whole on every update, so a
-    request in flight keeps the snapshot it picked."""
+    request in flight keeps the snapshot it picked.
+
+    `kv_blocks` is the exception: the hashes of the prefix blocks the backend's engine has
+    cached (docs/prefix-routing.md, "Precise mode"), a live read-only view of the set the
+    routing state keeps per registration and updates with every heartbeat (shared by every
+    snapshot of the backend, never copied); `NO_KV_BLOCKS` (empty) when the Pylon publishes
+    none. Not compared, not in the repr."""
 
     registration: Registration
     stats: ModelStats
     rtt_ns: int
     received_at: float
+    kv_blocks: AbstractSet[int] = field(default=NO_KV_BLOCKS, compare=False, repr=False)
 
     @property
     def inference_server_id(self) -> str:
@@ -475,6 +503,42 @@ class RoutingState:
         registration._applying_previous = None
         return True
 
+    def apply_kv_blocks(
+        self,
+        registration: Registration,
+        *,
+        reset: bool,
+        added: Iterable[int],
+        removed: Iterable[int],
+    ) -> bool:
+        """Apply one registration message's KV-block delta (reset, then added, then removed) to
+        the backend's block set, created by the first delta. Returns False (and changes
+        nothing) if `registration` has already ended."""
+        if not self.is_live(registration):
+            return False
+        blocks = registration.kv_blocks
+        if blocks is None:
+            blocks = registration.kv_blocks = KvBlocks(MAX_KV_BLOCKS)
+            self._share_kv_blocks(registration)
+        blocks.apply(reset=reset, added=added, removed=removed)
+        return True
+
+    def _share_kv_blocks(self, registration: Registration) -> None:
+        """Give the backend entries stored before its first delta the new set."""
+        view = registration.kv_view
+        for model_id in registration.models:
+            state = self._targets.get(registration.target(model_id))
+            if state is None:
+                continue
+            cluster = state.clusters.get(registration.identity.cluster_id)
+            server_id = registration.identity.inference_server_id
+            entry = None if cluster is None else cluster.backends.get(server_id)
+            if cluster is None or entry is None or entry.registration is not registration:
+                continue
+            cluster.backends[server_id] = replace(entry, kv_blocks=view)
+            cluster.refresh()
+            state.snapshot = None
+
     def end(self, registration: Registration, *, notify: bool = True) -> bool:
         """End exactly this registration: remove every route and advertised membership it holds.
 
@@ -501,6 +565,9 @@ class RoutingState:
         for model_id in cleanup:
             self._remove(registration, registration.target(model_id), notify=notify)
         self._demoted.discard(registration.identity.inference_server_id)
+        if registration.kv_blocks is not None:
+            registration.kv_blocks.clear()  # snapshots still held see an empty set
+            registration.kv_blocks = None
         return True
 
     def is_live(self, registration: Registration) -> bool:
@@ -673,7 +740,7 @@ class RoutingState:
             cluster.release_backend(identity.inference_server_id)
         joined = identity.inference_server_id not in cluster.backends
         cluster.backends[identity.inference_server_id] = BackendSnapshot(
-            registration, route.stats, route.rtt_ns, route.received_at
+            registration, route.stats, route.rtt_ns, route.received_at, registration.kv_view
         )
         cluster.source_id = identity.inference_server_id
         cluster.refresh()

@@ -156,6 +156,11 @@ EXPECTED_STARGATE_MESSAGES: dict[str, set[tuple[str, int, str, str]]] = {
         ("models", 3, "map<string,stargate.InferenceServerModelRegistration>", "repeated"),
         ("reverse_tunnel", 4, "bool", "optional"),
         ("cluster_id", 5, "string", "optional"),
+        # Ours, beyond the Rust proto (a Rust replica ignores them): the engine's cached prefix
+        # blocks as deltas (docs/prefix-routing.md, "Precise mode"), at numbers Rust never uses.
+        ("kv_blocks_reset", 1000, "bool", "optional"),
+        ("kv_blocks_added", 1001, "fixed64", "repeated"),
+        ("kv_blocks_removed", 1002, "fixed64", "repeated"),
     },
     "InferenceServerModelRegistration": {
         ("stats", 1, "stargate.ModelStats", "optional"),

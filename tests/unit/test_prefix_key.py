@@ -1,4 +1,4 @@
-"""Derived affinity keys (stargate/proxy/affinity_key.py; docs/data-plane.md, "Derived affinity
+"""Derived affinity keys (stargate/prefix_key.py; docs/data-plane.md, "Derived affinity
 keys"): the pure derivation, and how `ProxyApp` applies it to both request forms."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ProxyConfig
 from stargate.load_balancing.config import AlgorithmSpec, parse_lb_config
 from stargate.metrics import ProxyMetrics
-from stargate.proxy.affinity_key import KEY_PREFIX, _message, derive_affinity_key, derive_prefix
+from stargate.prefix_key import KEY_PREFIX, _message, derive_affinity_key, derive_prefix
 from stargate.proxy.app import ProxyApp
 from stargate.proxy.contract import ContractError, ProxyRequest
 from stargate.proxy.forwarder import LocalError
