@@ -91,9 +91,19 @@ BENCH_PARTS = {
 }
 
 
+SGLANG_ROUTER = "sglang-router==0.3.2"
+"""The affinity part's comparison router (benchmarks/affinity.py). Only the bench sessions install
+it, never the project's extras; without it that part skips the sglang-router rows."""
+
+
 def _bench(session: nox.Session) -> None:
     session.install("-e", ".[test,bench]")
     parts = set(session.posargs) & BENCH_PARTS
+    if not parts or "affinity" in parts:
+        try:
+            session.install(SGLANG_ROUTER)
+        except nox.command.CommandFailed:
+            session.log(f"{SGLANG_ROUTER} did not install: the affinity part skips its rows")
     wants_nginx = not parts or "proxy" in parts
     if wants_nginx and not (shutil.which("nginx") or Path("/usr/sbin/nginx").exists()):
         if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
@@ -111,8 +121,8 @@ def bench(session: nox.Session) -> None:
     """The loopback benchmark suite (benchmarks/__main__.py): `nox -s bench` runs proxy, stream,
     registration, readiness, activator and affinity; `nox -s bench -- NAME [NAME...] [--quick]
     [--profile] [options; see --help]` chosen parts (`capacity` and `routing` only when named).
-    Results in
-    bench-results/ (<part>.md, <part>.json, charts, summary.md)."""
+    The affinity part also gets sglang-router 0.3.2 installed (when it installs) to compare with.
+    Results in bench-results/ (<part>.md, <part>.json, charts, summary.md)."""
     _bench(session)
 
 

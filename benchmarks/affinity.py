@@ -1,94 +1,149 @@
-"""Affinity part: what cache-affinity routing buys against a prefix cache, per load balancer.
+"""Affinity part: issue 26's multi-turn chat trace through stargate's load balancers and through
+sglang-router, side by side, against engines with prefix caches.
 
-`python -m benchmarks affinity [--quick]` (or `nox -s bench -- affinity`). Four
-`stargate mock-backend` engines model a prefix cache (docs/mock-backend.md: LRU of 64-character
-blocks, TTFT = ttft_ms x (1 - cached share x 0.9)), each holding about a third of the trace's
-working set (the distinct whole blocks of every conversation's last prompt), so no engine can
-hold every conversation and placement matters. Each registers with one replica through a
-Pylon-like registration stream (heartbeat 1 s) with identical stats (`last_mean_input_tps`,
-nothing queued, concurrency unreported), so the engines look equal to every balancer. The trace
-is a set of multi-turn chat conversations sharing a few system prompts (~1.5 KB each): turn k+1's
-messages are turn k's plus the assistant answer (the trace's own fixed text, so the trace is
-byte-identical for every algorithm) and a new user message. The turns are replayed in a seeded
-shuffled order, a few in flight at once (a conversation's next turn waits for its previous one),
-as streaming chat requests with `x-cache-affinity-key: <conversation id>`, `x-input-tokens` =
-chars / 4 and `x-routing-method` naming the algorithm under test: power-of-n (the default),
-round-robin, pulsar and wait-and-widen (`cache_affinity_backend_selection_count` 1), the last two
-with seed "bench" from an LB config file. Between algorithms every engine's cache and counters
-are reset (`/test-control {"reset": true}`). Measured per algorithm: the prefix-cache hit rate
-(hit chars / prompt chars, and the share of requests with any hit, from the mock's
-`x-mock-prefix-cache-*` response headers), TTFT p50/p99 at the client (time to the first
-`data:` event through the replica; the mock's TTFT dominates it) and the load spread (requests
-per engine from the engines' own counters: max/min, and the busiest engine's share against a fair
-quarter). The issue's goal: an affinity balancer at least doubles power-of-n's character hit rate
-with no engine above 1.5x its fair share. Writes bench-results/affinity.{md,json,png}.
+`python -m benchmarks affinity [--quick]` (or `nox -s bench -- affinity`).
+
+**The trace** (seeded, byte-identical for every router): 20 shared system prompts of ~1,600
+characters; 200 conversations of 5 turns, each on a seeded random system prompt; turn k's messages
+are the system prompt, every earlier user message and assistant answer, then the new user message
+(the answers are the trace's own fixed text, so the trace does not depend on what an engine
+answers). 16 concurrent users: each takes the next conversation from a shared queue and plays its
+turns in order, a turn starting when the previous one has completed. Every request is what a
+plain OpenAI client sends: a streaming `POST /v1/chat/completions` with the model in the body and
+no `x-*` header at all (no `x-cache-affinity-key`). `--quick`: 8 system prompts, 40
+conversations, 8 users.
+
+**The engines**: four `stargate mock-backend` processes, each modelling an LRU prefix cache of
+512 blocks of 64 characters (`--prefix-cache-blocks 512`; TTFT = 200 ms x (1 - cached share x
+0.9), then 8 tokens 5 ms apart; docs/mock-backend.md) and naming itself on every answer
+(`--engine-id engine-N`: `x-mock-engine-id`, which tells which engine served a request behind any
+router). Before every pass each engine's cache and counters are reset (`/test-control {"reset":
+true}`).
+
+**The routers**, each a pass of the whole trace:
+
+* stargate: a fresh `stargate serve` (`--accept-openai-requests --derive-affinity-key`, an LB
+  config file whose entry for the model is the algorithm under test, so plain clients get it by
+  default) and four fresh `stargate pylon`s, one in front of each engine
+  (`--inference-server-id engine-N`, canaries off), which register with the replica and measure
+  every request they forward (the stats the balancers read are real); the benchmark's own probes
+  (`x-routing-method: round-robin`, before the engines are reset) wait until every engine is
+  routable through every replica. Algorithms: power-of-n, round-robin, pulsar (seed "bench"),
+  wait-and-widen (seed "bench", `cache_affinity_backend_selection_count` 1) and prefix-aware; an
+  algorithm this checkout's `create_balancer` does not know (yet) is skipped with a note.
+* sglang-router (`python -m sglang_router.launch_router --worker-urls <the four engines> --policy
+  cache_aware|round_robin`, 0.3.2 on PyPI; `nox -s bench` installs it), straight in front of the
+  engines. At start it asks each worker for `GET /health`, then `/server_info`, `/get_server_info`,
+  `/model_info` and `/get_model_info` (the mock answers those 404, which it tolerates: the model is
+  "unknown"); the benchmark waits for `GET /readiness` to count four healthy workers. Without an
+  importable `sglang_router` these rows are skipped with a note.
+
+**Measured per router**: the block hit rate (cached prompt blocks / whole prompt blocks, summed
+over the engines: from each answer's `x-mock-prefix-cache-hit-chars`; a prompt's whole blocks from
+the trace's own text, cross-checked against `x-mock-prefix-cache-prompt-chars`), TTFT p50/p99 at
+the client (request sent to the first `data:` event), turn stickiness (the share of turns k > 1
+served by the engine that served turn k-1 of the same conversation), each engine's share of the
+requests and max/min requests per engine. The bound: the block hit rate of one infinite cache
+seeing the whole trace (offline, `stargate.mock.prefix_cache`).
+
+**Agreement across replicas** (prefix-aware and pulsar): the same pass runs through replica A and
+then, caches reset, through replica B (same config, separate processes, the same four Pylons
+registered with both): the share of requests routed to the same engine in both.
+
+**A slow engine** (prefix-aware and power-of-n): engine-3's TTFT and inter-token time four times
+the others' (`/test-control`), fresh replica and Pylons: each engine's share of the requests.
+
+The issue's goals (printed as pass/miss, a miss does not fail the run): prefix-aware's block hit
+rate at least sglang-router cache_aware's - 0.02, stickiness >= 0.95, max/min <= 1.3, the slow
+engine's share <= 0.15, agreement >= 0.99. Writes bench-results/affinity.{md,json,png}.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
+import queue
 import random
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    HEARTBEAT_HEADER,
     BenchError,
     Deadline,
     PartResult,
     Processes,
     Profiler,
+    Replica,
     Suite,
+    free_ports,
+    log_tail,
     md_table,
     mock_backend_command,
     num,
     percentile,
+    server_python,
     start_printing_server,
     start_replica,
     wait_until,
 )
 
 NAME = "affinity"
-TITLE = "prefix-cache hit rate, TTFT and load spread per load balancer (4 mock engines)"
+TITLE = "issue 26's chat trace: prefix-cache hits, TTFT, stickiness and spread, stargate vs sglang"
 
 MODEL = "affinity-model"
 ENGINES = 4
-ALGORITHMS = ("power-of-n", "round-robin", "pulsar", "wait-and-widen")
-AFFINITY_ALGORITHMS = ("pulsar", "wait-and-widen")
-SEED = "bench"
-TTFT_MS = 200.0
-INTER_TOKEN_MS = 1.0
-TOKENS = 8
+ENGINE_IDS = tuple(f"engine-{i}" for i in range(ENGINES))
+CACHE_BLOCKS = 512
 BLOCK_CHARS = 64
 SPEEDUP = 0.9
-CACHE_SHARE = 1 / 3
-"""Each engine's cache holds this share of the trace's working set."""
-INPUT_TPS = 20_000.0
-GOAL_HIT_RATIO = 2.0
-GOAL_MAX_SHARE = 1.5
+TTFT_MS = 200.0
+INTER_TOKEN_MS = 5.0
+TOKENS = 8
+SLOWDOWN = 4.0
+SLOW_ENGINE = ENGINE_IDS[-1]
+SEED = "bench"
+PYLON_STOP_SECONDS = 3.0
 
-LB_CONFIG = {
-    "default": "power-of-n",
-    "request_algorithms": {
-        "power-of-n": "power-of-n",
-        "round-robin": "round-robin",
-        "pulsar": {"algorithm": "pulsar", "seed": SEED},
-        "wait-and-widen": {
-            "algorithm": "wait-and-widen",
-            "seed": SEED,
-            "cache_affinity_backend_selection_count": 1,
-        },
-    },
+STARGATE_ALGORITHMS = ("power-of-n", "round-robin", "pulsar", "wait-and-widen", "prefix-aware")
+SGLANG_POLICIES = ("cache_aware", "round_robin")
+SGLANG_VERSION = "0.3.2"
+AGREEMENT_ALGORITHMS = ("prefix-aware", "pulsar")
+SLOW_ALGORITHMS = ("prefix-aware", "power-of-n")
+GOAL_ALGORITHM = "prefix-aware"
+GOAL_HIT_MARGIN = 0.02
+GOAL_STICKINESS = 0.95
+GOAL_MAX_MIN = 1.3
+GOAL_SLOW_SHARE = 0.15
+GOAL_AGREEMENT = 0.99
+
+DEFINITIONS: dict[str, tuple[str | dict[str, Any], ...]] = {
+    "power-of-n": ("power-of-n",),
+    "round-robin": ("round-robin",),
+    "pulsar": ({"algorithm": "pulsar", "seed": SEED},),
+    "wait-and-widen": (
+        {"algorithm": "wait-and-widen", "seed": SEED, "cache_affinity_backend_selection_count": 1},
+    ),
+    # Its settings are not known here yet: with the common seed if it takes one, else bare.
+    "prefix-aware": ({"algorithm": "prefix-aware", "seed": SEED}, "prefix-aware"),
 }
+"""Each algorithm's LB-config entry for the model, the first of the candidates that parses."""
+
+HIT_CHARS_HEADER = "x-mock-prefix-cache-hit-chars"
+PROMPT_CHARS_HEADER = "x-mock-prefix-cache-prompt-chars"
+ENGINE_HEADER = "x-mock-engine-id"
+SERVER_HEADER = "x-inference-server-id"
+"""The replica's name of the backend (the Pylon's `--inference-server-id`); the fallback when an
+engine does not name itself."""
 
 WORDS = tuple(
     "".join(random.Random(f"word-{i}").choices("abcdefghiklmnoprstuwy", k=2 + i % 8))
@@ -99,41 +154,41 @@ WORDS = tuple(
 @dataclass(frozen=True)
 class Settings:
     system_prompts: int
-    conversations: int
-    min_turns: int
-    max_turns: int
     system_chars: int
+    conversations: int
+    turns: int
+    users: int
     user_chars: tuple[int, int]
     answer_chars: tuple[int, int]
-    concurrency: int
     seed: int
     budget: float
 
 
 def settings_for(suite: Suite) -> Settings:
     if suite.quick:
-        return Settings(4, 24, 4, 5, 1500, (200, 600), (100, 300), 6, 14, 40.0)
-    return Settings(6, 80, 4, 6, 1500, (200, 600), (100, 300), 6, 14, 150.0)
+        return Settings(8, 1600, 40, 5, 8, (200, 600), (100, 300), 26, 420.0)
+    return Settings(20, 1600, 200, 5, 16, (200, 600), (100, 300), 26, 1200.0)
 
 
 # ---- the trace ----------------------------------------------------------------------------------
 
 
 def _text(rng: random.Random, chars: int) -> str:
+    """`chars` characters of seeded words."""
     words: list[str] = []
     length = 0
-    while length < chars:
+    while length <= chars:  # the join is one space shorter than the words and their spaces
         word = rng.choice(WORDS)
         words.append(word)
         length += len(word) + 1
     return " ".join(words)[:chars]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Conversation:
-    key: str
+    index: int
     system: str
-    turns: list[tuple[str, str]]
+    turns: tuple[tuple[str, str], ...]
     """(user message, assistant answer) per turn."""
 
     def messages(self, turn: int) -> list[dict[str, str]]:
@@ -148,354 +203,318 @@ class Conversation:
         return messages
 
 
-@dataclass
+@dataclass(frozen=True)
 class Trace:
-    conversations: list[Conversation]
-    order: list[int]
-    """Conversation index per request, in replay order (its k-th occurrence is turn k)."""
-    working_set_blocks: int
-    ceiling_hit_rate_chars: float = math.nan
-    """The hit rate with one unbounded cache seeing every request in replay order."""
-    ceiling_history_hit_rate: float = math.nan
+    systems: tuple[str, ...]
+    conversations: tuple[Conversation, ...]
 
-
-def system_chars(conversation: Conversation) -> int:
-    """The system prompt's share of every prompt of `conversation`, in whole blocks (the
-    block that straddles the system prompt and the first user message is history)."""
-    framed = len(_prompt_text([{"role": "system", "content": conversation.system}]))
-    return framed // BLOCK_CHARS * BLOCK_CHARS
-
-
-def _prompt_text(messages: list[dict[str, str]]) -> str:
-    """The mock's chat framing (docs/mock-backend.md): `role NUL content NUL` per message."""
-    return "".join(f"{m['role']}\0{m['content']}\0" for m in messages)
-
-
-def _blocks(text: str) -> list[bytes]:
-    """Chain hashes of the whole blocks of `text` (the mock's block identities)."""
-    digests: list[bytes] = []
-    previous = bytes(16)
-    for start in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
-        block = text[start : start + BLOCK_CHARS].encode()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
-        digests.append(previous)
-    return digests
+    @property
+    def requests(self) -> int:
+        return sum(len(c.turns) for c in self.conversations)
 
 
 def build_trace(settings: Settings) -> Trace:
+    """The seeded trace: the same text for every router and every run."""
     rng = random.Random(settings.seed)
-    systems = [
-        f"System prompt {i}: you are assistant {i}. " + _text(rng, settings.system_chars)
+    systems = tuple(
+        f"System prompt {i}: you are assistant {i}. "
+        + _text(rng, settings.system_chars - len(f"System prompt {i}: you are assistant {i}. "))
         for i in range(settings.system_prompts)
-    ]
-    conversations: list[Conversation] = []
-    for index in range(settings.conversations):
-        turns = [
-            (
-                f"[{index}] " + _text(rng, rng.randint(*settings.user_chars)),
-                _text(rng, rng.randint(*settings.answer_chars)),
-            )
-            for _ in range(rng.randint(settings.min_turns, settings.max_turns))
-        ]
-        conversations.append(
-            Conversation(f"conv-{index:03d}", systems[index % len(systems)], turns)
-        )
-    order = [i for i, conversation in enumerate(conversations) for _ in conversation.turns]
-    rng.shuffle(order)
-    distinct: set[bytes] = set()
-    for conversation in conversations:
-        last = conversation.messages(len(conversation.turns) - 1)
-        distinct.update(_blocks(_prompt_text(last)))
-    trace = Trace(conversations, order, len(distinct))
-    # The ceiling: one unbounded cache (the mock's lookup: leading blocks until the first miss).
-    seen: set[bytes] = set()
-    turns: dict[int, int] = {}
-    hit = prompt = history_hit = history = 0
-    for index in order:
-        conversation = conversations[index]
-        turn = turns.get(index, 0)
-        turns[index] = turn + 1
-        text = _prompt_text(conversation.messages(turn))
-        blocks = _blocks(text)
-        cached = next((i for i, block in enumerate(blocks) if block not in seen), len(blocks))
-        seen.update(blocks)
-        system = system_chars(conversation)
-        hit += cached * BLOCK_CHARS
-        prompt += len(text)
-        history_hit += max(0, cached * BLOCK_CHARS - system)
-        history += len(text) - system
-    trace.ceiling_hit_rate_chars = hit / prompt if prompt else math.nan
-    trace.ceiling_history_hit_rate = history_hit / history if history else math.nan
-    return trace
-
-
-# ---- a registration with stats ------------------------------------------------------------------
-
-
-class StatsRegistration:
-    """A Pylon-like `RegisterInferenceServer` stream announcing one engine with fixed, equal
-    stats (every engine alike), re-sent every second as a Pylon's heartbeat."""
-
-    def __init__(self, grpc_port: int, server_id: str, url: str) -> None:
-        import grpc
-
-        from stargate.protocol import stargate_pb2 as pb
-        from stargate.protocol import stargate_pb2_grpc as pb_grpc
-
-        self._grpc = grpc
-        self._ack_type = pb.InferenceServerAck
-        self._channel = grpc.insecure_channel(
-            f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)]
-        )
-        stats = pb.ModelStats(
-            last_mean_input_tps=INPUT_TPS,
-            output_tps=1000.0,
-            max_output_tps=1000.0,
-            stats_observed_at_unix_ms=int(time.time() * 1000),
-        )
-        self._message = pb.InferenceServerRegistration(
-            inference_server_id=server_id,
-            inference_server_url=url,
-            models={
-                MODEL: pb.InferenceServerModelRegistration(
-                    stats=stats, status=pb.INFERENCE_SERVER_STATUS_ACTIVE
+    )
+    conversations = tuple(
+        Conversation(
+            index,
+            rng.choice(systems),
+            tuple(
+                (
+                    f"[{index}] " + _text(rng, rng.randint(*settings.user_chars)),
+                    _text(rng, rng.randint(*settings.answer_chars)),
                 )
-            },
+                for _ in range(settings.turns)
+            ),
         )
-        self._pb = pb
-        self._lock = threading.Lock()
-        self._outbox: list[Any] = []
-        self._wake = threading.Condition(self._lock)
-        self._closed = False
-        self._first_ack = threading.Event()
-        self._failure: BaseException | None = None
-        self._send(self._message)
-        stub = pb_grpc.StargateControlPlaneStub(self._channel)  # type: ignore[no-untyped-call]
-        self._call = stub.RegisterInferenceServer(
-            self._messages(), metadata=[(HEARTBEAT_HEADER, "1000")]
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _send(self, message: Any) -> None:
-        with self._wake:
-            self._outbox.append(message)
-            self._wake.notify()
-
-    def _messages(self) -> Any:
-        while True:
-            with self._wake:
-                while not self._outbox and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return
-                message = self._outbox.pop(0)
-            yield message
-
-    def _beat(self) -> None:
-        while not self._closed:
-            time.sleep(1.0)
-            if self._closed:
-                return
-            for model in self._message.models.values():
-                model.stats.stats_observed_at_unix_ms = int(time.time() * 1000)
-            self._send(self._message)
-
-    def _read(self) -> None:
-        try:
-            for ack in self._call:
-                if isinstance(ack, self._ack_type):
-                    self._first_ack.set()
-        except self._grpc.RpcError as error:
-            self._failure = error
-            self._first_ack.set()
-
-    def wait_ack(self, timeout: float) -> None:
-        if not self._first_ack.wait(timeout) or self._failure is not None:
-            raise BenchError(f"registration: no ack from the replica ({self._failure!r})")
-
-    def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
-        self._call.cancel()
-        self._channel.close()
+        for index in range(settings.conversations)
+    )
+    return Trace(systems, conversations)
 
 
-# ---- one algorithm's replay ---------------------------------------------------------------------
+def prompt_text(conversation: Conversation, turn: int) -> str:
+    """The text the mock's prefix cache sees for a turn (its chat framing)."""
+    from stargate.mock.shapes import chat_cache_text
+
+    return chat_cache_text({"messages": conversation.messages(turn)})
+
+
+def infinite_cache_bound(trace: Trace) -> float:
+    """The block hit rate of one infinite cache seeing every request of the trace (the mock's
+    lookup: leading whole blocks until the first miss). Every order a run can take gives the same
+    figure: a turn's text extends its previous turn's, and of a system prompt only its first
+    conversation's first turn misses, whichever conversation that is."""
+    from stargate.mock.prefix_cache import PrefixCache
+
+    texts = [
+        prompt_text(conversation, turn)
+        for conversation in trace.conversations
+        for turn in range(len(conversation.turns))
+    ]
+    whole = sum(len(text) // BLOCK_CHARS for text in texts)
+    cache = PrefixCache(max(1, whole), BLOCK_CHARS)
+    hits = sum(cache.lookup_and_insert(text).hit_blocks for text in texts)
+    return hits / whole if whole else math.nan
+
+
+# ---- one pass of the trace ----------------------------------------------------------------------
 
 
 @dataclass
 class Outcome:
+    """One request of a pass."""
+
     conversation: int
     turn: int
+    user: int
     status: int = 0
-    ttft_s: float = math.nan
-    total_s: float = math.nan
+    engine: str = ""
+    ttft_ms: float = math.nan
     hit_chars: int = 0
-    prompt_chars: int = 0
-    system_chars: int = 0
+    prompt_chars: int = -1
+    """From the engine's header; -1 when it sent none."""
+    prompt_blocks: int = 0
+    """Whole blocks of the trace's own prompt text."""
+    done: bool = False
     error: str = ""
 
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and not self.error
 
-@dataclass
-class AlgorithmResult:
-    algorithm: str
-    requests: int = 0
-    failed: int = 0
-    hit_rate_chars: float = math.nan
-    hit_rate_requests: float = math.nan
-    history_hit_rate: float = math.nan
-    """Hit chars beyond the system prompt's whole blocks / prompt chars beyond them."""
-    ttft_p50_ms: float = math.nan
-    ttft_p99_ms: float = math.nan
-    ttft_mean_ms: float = math.nan
-    per_engine: list[int] = field(default_factory=list)
-    engine_hit_rate_chars: float = math.nan
-    max_min_ratio: float = math.nan
-    max_share_vs_fair: float = math.nan
-    evicted_blocks: int = 0
-    wall_s: float = math.nan
-    complete: bool = True
-    hit_ratio_vs_power_of_n: float = math.nan
-    history_ratio_vs_power_of_n: float = math.nan
-    goal_met: bool | None = None
+    @property
+    def hit_blocks(self) -> int:
+        return self.hit_chars // BLOCK_CHARS
+
+
+def chat_body(conversation: Conversation, turn: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": conversation.messages(turn),
+        "stream": True,
+        "max_tokens": TOKENS,
+    }
 
 
 def _one_request(
-    client: Any, base: str, algorithm: str, conversation: Conversation, index: int, turn: int
+    client: Any, url: str, conversation: Conversation, turn: int, user: int, blocks: int
 ) -> Outcome:
+    """A plain OpenAI client's streaming chat request: the body, and no `x-*` header."""
     import httpx
 
-    outcome = Outcome(index, turn, system_chars=system_chars(conversation))
-    messages = conversation.messages(turn)
-    chars = len(_prompt_text(messages))
-    headers = {
-        "x-request-id": f"{algorithm}-{conversation.key}-{turn}",
-        "x-model": MODEL,
-        "x-input-tokens": str(max(1, chars // 4)),
-        "x-cache-affinity-key": conversation.key,
-        "x-routing-method": algorithm,
-    }
-    body = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": TOKENS}
+    outcome = Outcome(conversation.index, turn, user, prompt_blocks=blocks)
     began = time.monotonic()
     try:
-        with client.stream(
-            "POST", f"{base}/v1/chat/completions", headers=headers, json=body
-        ) as response:
+        with client.stream("POST", url, json=chat_body(conversation, turn)) as response:
             outcome.status = response.status_code
-            outcome.hit_chars = int(response.headers.get("x-mock-prefix-cache-hit-chars", 0))
-            outcome.prompt_chars = int(response.headers.get("x-mock-prefix-cache-prompt-chars", 0))
+            headers = response.headers
+            outcome.engine = headers.get(ENGINE_HEADER) or headers.get(SERVER_HEADER, "")
+            outcome.hit_chars = int(headers.get(HIT_CHARS_HEADER, 0))
+            outcome.prompt_chars = int(headers.get(PROMPT_CHARS_HEADER, -1))
             for line in response.iter_lines():
-                if line.startswith("data:") and math.isnan(outcome.ttft_s):
-                    outcome.ttft_s = time.monotonic() - began
-            outcome.total_s = time.monotonic() - began
-    except httpx.HTTPError as error:
+                if not line.startswith("data:"):
+                    continue
+                if math.isnan(outcome.ttft_ms):
+                    outcome.ttft_ms = (time.monotonic() - began) * 1000
+                if line[5:].strip() == "[DONE]":
+                    outcome.done = True
+    except (httpx.HTTPError, ValueError) as error:
         outcome.error = repr(error)
     return outcome
 
 
-def replay_all(
-    base: str, algorithm: str, trace: Trace, settings: Settings, deadline: Deadline
-) -> tuple[list[Outcome], bool]:
-    """Replay the trace through the replica with `algorithm`, at most `settings.concurrency`
-    requests in flight and a conversation's turn only once its previous one is answered;
-    (every outcome, whether the whole trace fitted in the time budget)."""
+def replay(base: str, trace: Trace, users: int, deadline: Deadline) -> tuple[list[Outcome], bool]:
+    """One pass: `users` threads, each taking the next conversation from a shared queue and
+    playing its turns in order (a turn starts when the previous one completed); (every outcome,
+    whether the whole trace fitted in the time budget)."""
     import httpx
 
-    submitted: list[Future[Outcome]] = []
-    previous: dict[int, Future[Outcome]] = {}
-    next_turn: dict[int, int] = {}
-    slots = threading.Semaphore(settings.concurrency)
-    complete = True
-    limits = httpx.Limits(max_connections=settings.concurrency * 2)
-    with (
-        httpx.Client(trust_env=False, timeout=30, limits=limits) as client,
-        ThreadPoolExecutor(settings.concurrency) as pool,
-    ):
+    pending: queue.Queue[Conversation] = queue.Queue()
+    for conversation in trace.conversations:
+        pending.put(conversation)
+    blocks = {
+        (c.index, t): len(prompt_text(c, t)) // BLOCK_CHARS
+        for c in trace.conversations
+        for t in range(len(c.turns))
+    }
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    cut = threading.Event()
+    url = f"{base}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=users * 2, max_keepalive_connections=users * 2)
+    timeout = httpx.Timeout(60.0, connect=10.0)
+    with httpx.Client(trust_env=False, timeout=timeout, limits=limits) as client:
 
-        def task(index: int, turn: int) -> Outcome:
-            try:
-                return _one_request(
-                    client, base, algorithm, trace.conversations[index], index, turn
-                )
-            finally:
-                slots.release()
+        def play(user: int) -> None:
+            while True:
+                if deadline.left(1e9) <= 0:
+                    cut.set()
+                    return
+                try:
+                    conversation = pending.get_nowait()
+                except queue.Empty:
+                    return
+                for turn in range(len(conversation.turns)):
+                    outcome = _one_request(
+                        client, url, conversation, turn, user, blocks[(conversation.index, turn)]
+                    )
+                    with lock:
+                        outcomes.append(outcome)
 
-        for index in trace.order:
-            waiting = previous.get(index)
-            if waiting is not None:
-                waiting.result()  # the conversation's previous turn is answered first
-            if deadline.left(1e9) <= 0 or not slots.acquire(timeout=deadline.left(60)):
-                complete = False
-                break
-            turn = next_turn.get(index, 0)
-            next_turn[index] = turn + 1
-            future = pool.submit(task, index, turn)
-            previous[index] = future
-            submitted.append(future)
-        outcomes = [future.result() for future in submitted]
-    return outcomes, complete
+        threads = [threading.Thread(target=play, args=(u,), daemon=True) for u in range(users)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return outcomes, not cut.is_set() and pending.empty()
+
+
+# ---- what a pass measured -----------------------------------------------------------------------
+
+
+def block_hit_rate(outcomes: Sequence[Outcome]) -> float:
+    """Cached prompt blocks / whole prompt blocks over the answered requests."""
+    good = [o for o in outcomes if o.ok]
+    whole = sum(o.prompt_blocks for o in good)
+    return sum(o.hit_blocks for o in good) / whole if whole else math.nan
+
+
+def stickiness(outcomes: Sequence[Outcome]) -> float:
+    """The share of turns k > 1 (both answered) served by the engine of turn k-1."""
+    engines = {(o.conversation, o.turn): o.engine for o in outcomes if o.ok and o.engine}
+    pairs = [
+        (engine, engines[(conversation, turn - 1)])
+        for (conversation, turn), engine in engines.items()
+        if turn > 0 and (conversation, turn - 1) in engines
+    ]
+    return sum(1 for a, b in pairs if a == b) / len(pairs) if pairs else math.nan
+
+
+def agreement(first: Sequence[Outcome], second: Sequence[Outcome]) -> tuple[float, int]:
+    """The share of requests (conversation, turn) answered in both passes by the same engine;
+    and how many were compared."""
+    a = {(o.conversation, o.turn): o.engine for o in first if o.ok and o.engine}
+    b = {(o.conversation, o.turn): o.engine for o in second if o.ok and o.engine}
+    both = a.keys() & b.keys()
+    if not both:
+        return math.nan, 0
+    return sum(1 for key in both if a[key] == b[key]) / len(both), len(both)
+
+
+def per_engine(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """Answered requests per engine (every engine named, those with none at 0; an unexpected
+    name is counted too)."""
+    counts = dict.fromkeys(ENGINE_IDS, 0)
+    for outcome in outcomes:
+        if outcome.ok:
+            name = outcome.engine or "(unnamed)"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def max_min_ratio(counts: dict[str, int]) -> float:
+    """The busiest engine's requests over the least busy one's (inf when one got none)."""
+    values = [counts.get(engine, 0) for engine in ENGINE_IDS]
+    if not any(values):
+        return math.nan
+    return max(values) / min(values) if min(values) else math.inf
+
+
+@dataclass
+class PassResult:
+    """One router's pass of the trace."""
+
+    router: str
+    kind: str
+    """"stargate" or "sglang"."""
+    algorithm: str
+    requests: int = 0
+    failed: int = 0
+    complete: bool = True
+    wall_s: float = math.nan
+    block_hit_rate: float = math.nan
+    ttft_p50_ms: float = math.nan
+    ttft_p99_ms: float = math.nan
+    stickiness: float = math.nan
+    max_min: float = math.nan
+    per_engine: dict[str, int] = field(default_factory=dict)
+    shares: dict[str, float] = field(default_factory=dict)
+    engine_lookups: dict[str, int] = field(default_factory=dict)
+    """Each engine's own count of prefix-cache lookups (retries included)."""
+    prompt_mismatches: int = 0
+    """Answers whose prompt length differs from the trace's text (a router that changed it)."""
+    retries: dict[str, int] = field(default_factory=dict)
+    """stargate: the replica's retries during the pass, by reason (`proxy_retries_total`)."""
+    first_failure: str = ""
 
 
 def summarise(
-    algorithm: str, outcomes: list[Outcome], counters: list[dict[str, Any]], wall: float
-) -> AlgorithmResult:
-    result = AlgorithmResult(algorithm, requests=len(outcomes), wall_s=wall)
-    good = [o for o in outcomes if o.status == 200 and not o.error]
+    router: str,
+    kind: str,
+    algorithm: str,
+    outcomes: Sequence[Outcome],
+    wall: float,
+    complete: bool,
+    lookups: dict[str, int],
+    trace_chars: dict[tuple[int, int], int],
+) -> PassResult:
+    result = PassResult(router, kind, algorithm, len(outcomes), complete=complete, wall_s=wall)
+    good = [o for o in outcomes if o.ok]
     result.failed = len(outcomes) - len(good)
-    prompt = sum(o.prompt_chars for o in good)
-    if prompt:
-        result.hit_rate_chars = sum(o.hit_chars for o in good) / prompt
-    history = sum(o.prompt_chars - o.system_chars for o in good)
-    if history:
-        result.history_hit_rate = sum(max(0, o.hit_chars - o.system_chars) for o in good) / history
-    if good:
-        result.hit_rate_requests = sum(1 for o in good if o.hit_chars > 0) / len(good)
-    ttfts = sorted(o.ttft_s * 1000 for o in good if not math.isnan(o.ttft_s))
+    bad = next((o for o in outcomes if not o.ok), None)
+    if bad is not None:
+        result.first_failure = f"status {bad.status} {bad.error or '(no [DONE])'}"[:300]
+    result.block_hit_rate = block_hit_rate(outcomes)
+    ttfts = sorted(o.ttft_ms for o in good if not math.isnan(o.ttft_ms))
     result.ttft_p50_ms = percentile(ttfts, 0.5)
     result.ttft_p99_ms = percentile(ttfts, 0.99)
-    result.ttft_mean_ms = sum(ttfts) / len(ttfts) if ttfts else math.nan
-    result.per_engine = [int(c.get("lookups", 0)) for c in counters]
-    engine_prompt = sum(int(c.get("prompt_chars", 0)) for c in counters)
-    if engine_prompt:
-        result.engine_hit_rate_chars = sum(int(c.get("hit_chars", 0)) for c in counters) / (
-            engine_prompt
-        )
-    result.evicted_blocks = sum(int(c.get("evicted_blocks", 0)) for c in counters)
-    total = sum(result.per_engine)
-    if total:
-        low = min(result.per_engine)
-        result.max_min_ratio = max(result.per_engine) / low if low else math.inf
-        result.max_share_vs_fair = max(result.per_engine) / (total / len(result.per_engine))
+    result.stickiness = stickiness(outcomes)
+    result.per_engine = per_engine(outcomes)
+    result.max_min = max_min_ratio(result.per_engine)
+    total = sum(result.per_engine.values())
+    result.shares = {e: n / total for e, n in result.per_engine.items()} if total else {}
+    result.engine_lookups = lookups
+    result.prompt_mismatches = sum(
+        1
+        for o in good
+        if o.prompt_chars >= 0 and o.prompt_chars != trace_chars[(o.conversation, o.turn)]
+    )
     return result
 
 
-# ---- the run ------------------------------------------------------------------------------------
+# ---- the engines --------------------------------------------------------------------------------
 
 
-def _start_engines(procs: Processes, log_dir: Path, blocks: int, deadline: Deadline) -> list[str]:
+def start_engines(procs: Processes, log_dir: Path, deadline: Deadline) -> list[str]:
     urls: list[str] = []
-    for i in range(ENGINES):
+    for engine in ENGINE_IDS:
         _, port = start_printing_server(
             procs,
             mock_backend_command(
                 MODEL,
                 "--ttft-ms",
-                str(TTFT_MS),
+                f"{TTFT_MS:g}",
                 "--inter-token-ms",
-                str(INTER_TOKEN_MS),
+                f"{INTER_TOKEN_MS:g}",
                 "--tokens",
                 str(TOKENS),
                 "--prefix-cache-blocks",
-                str(blocks),
-                "--prefix-cache-speedup",
-                str(SPEEDUP),
+                str(CACHE_BLOCKS),
                 "--prefix-cache-block-chars",
                 str(BLOCK_CHARS),
+                "--prefix-cache-speedup",
+                f"{SPEEDUP:g}",
+                "--engine-id",
+                engine,
             ),
-            log_dir / f"engine-{i}.log",
-            f"mock engine {i}",
+            log_dir / f"{engine}.log",
+            f"the mock {engine}",
             deadline.left(30),
         )
         urls.append(f"http://127.0.0.1:{port}")
@@ -513,256 +532,715 @@ def _control(client: Any, url: str, payload: dict[str, Any] | None = None) -> di
     return answer
 
 
-def run(suite: Suite) -> PartResult:
+def reset_engines(urls: Sequence[str], slow: bool) -> None:
+    """Empty every cache and counter; with `slow`, engine-3 is SLOWDOWN times slower."""
     import httpx
 
+    with httpx.Client(trust_env=False, timeout=10) as client:
+        for engine, url in zip(ENGINE_IDS, urls, strict=True):
+            payload: dict[str, Any] = {"reset": True}
+            if slow and engine == SLOW_ENGINE:
+                payload |= {
+                    "ttft_ms": TTFT_MS * SLOWDOWN,
+                    "inter_token_ms": INTER_TOKEN_MS * SLOWDOWN,
+                }
+            _control(client, url, payload)
+
+
+def engine_lookups(urls: Sequence[str]) -> dict[str, int]:
+    import httpx
+
+    with httpx.Client(trust_env=False, timeout=10) as client:
+        return {
+            engine: int(_control(client, url)["counters"]["prefix_cache"]["lookups"])
+            for engine, url in zip(ENGINE_IDS, urls, strict=True)
+        }
+
+
+# ---- the routers --------------------------------------------------------------------------------
+
+
+def lb_config(algorithm: str, definition: str | dict[str, Any]) -> dict[str, Any]:
+    """The replica's LB config: `definition` is the model's algorithm (what a plain client gets);
+    round-robin may be asked for by header, which only the benchmark's own probes do."""
+    return {
+        "default": algorithm,
+        "request_algorithms": {"round-robin": "round-robin"},
+        "models": {MODEL: definition},
+    }
+
+
+def stargate_definition(algorithm: str) -> tuple[str | dict[str, Any] | None, str]:
+    """The first LB-config entry for `algorithm` that this checkout parses and builds a balancer
+    for (`create_balancer`); (None, why) when none does."""
+    reason = f"no definition for {algorithm}"
+    for candidate in DEFINITIONS.get(algorithm, ()):
+        try:
+            from stargate.load_balancing.config import parse_lb_config, resolve
+            from stargate.load_balancing.registry import create_balancer
+
+            config = parse_lb_config(lb_config(algorithm, candidate))
+            create_balancer(resolve(config, MODEL, None))
+        except Exception as error:  # unknown name, unknown field, not built: try the next
+            reason = f"{type(error).__name__}: {error}"
+            continue
+        return candidate, ""
+    return None, reason
+
+
+@dataclass
+class StargateRouters:
+    """Fresh replicas (one config) and a fresh Pylon per engine registered with all of them."""
+
+    replicas: list[Replica]
+    pylons: list[subprocess.Popen[Any]]
+
+    @property
+    def bases(self) -> list[str]:
+        return [replica.base for replica in self.replicas]
+
+
+@contextlib.contextmanager
+def stargate_routers(
+    procs: Processes,
+    log_dir: Path,
+    algorithm: str,
+    definition: str | dict[str, Any],
+    replicas: int,
+    urls: Sequence[str],
+    deadline: Deadline,
+) -> Iterator[StargateRouters]:
+    from benchmarks.routing import RouterInfo, start_pylon
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = log_dir / "lb.json"
+    config_path.write_text(json.dumps(lb_config(algorithm, definition)))
+    routers = StargateRouters([], [])
+    try:
+        for letter in "AB"[:replicas]:
+            routers.replicas.append(
+                start_replica(
+                    procs,
+                    log_dir,
+                    f"replica-{letter}",
+                    deadline,
+                    extra_args=[
+                        "--accept-openai-requests",
+                        "--derive-affinity-key",
+                        f"--lb-config-path={config_path}",
+                    ],
+                )
+            )
+        info = RouterInfo(server_python(), False, frozenset({"--http-listen-addr"}))
+        seeds: list[str] = []
+        for replica in routers.replicas[1:]:
+            seeds += ["--stargate", f"127.0.0.1:{replica.grpc}"]
+        for engine, url in zip(ENGINE_IDS, urls, strict=True):
+            pylon = start_pylon(
+                procs,
+                info,
+                log_dir,
+                engine,
+                url,
+                routers.replicas[0].grpc,
+                log_level="warning",
+                extra_args=("--canary-interval-ms", "0", *seeds),
+            )
+            routers.pylons.append(pylon.process)
+        for replica in routers.replicas:
+            wait_routable(replica, deadline, log_dir)
+        yield routers
+    finally:
+        # The Pylons before the replicas (no health probe of a gone Pylon), all at once: a Pylon
+        # can take tens of seconds to exit after SIGTERM, and nothing of it is measured any more.
+        procs.stop_together(routers.pylons, PYLON_STOP_SECONDS)
+        procs.stop_together([replica.process for replica in routers.replicas], 5)
+
+
+def wait_routable(replica: Replica, deadline: Deadline, log_dir: Path) -> None:
+    """Until round-robin probes through `replica` have reached every engine's Pylon."""
+    import httpx
+
+    seen: set[str] = set()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    headers = {"x-routing-method": "round-robin"}  # the probe's own; never the trace's
+
+    def every_engine() -> bool:
+        response = client.post(f"{replica.base}/v1/chat/completions", json=body, headers=headers)
+        if response.status_code == 200:
+            seen.add(response.headers.get(SERVER_HEADER, ""))
+        else:
+            time.sleep(0.2)
+        return set(ENGINE_IDS) <= seen
+
+    with httpx.Client(trust_env=False, timeout=10) as client:
+        try:
+            wait_until(
+                every_engine,
+                deadline.left(60),
+                "every engine routable through the replica",
+                replica.process,
+                replica.log_path,
+            )
+        except BenchError as error:
+            tails = "\n".join(
+                f"{path.name}:\n{log_tail(path, 6)}" for path in sorted(log_dir.glob("pylon-*.log"))
+            )
+            raise BenchError(f"{error}\nseen: {sorted(seen)}\n{tails}") from None
+
+
+def sglang_router_available() -> str:
+    """ "" when `sglang_router` is importable here, else why not."""
+    if importlib.util.find_spec("sglang_router") is None:
+        return (
+            f"sglang_router is not importable (pip install sglang-router=={SGLANG_VERSION}; "
+            "`nox -s bench` installs it)"
+        )
+    return ""
+
+
+def sglang_router_version() -> str:
+    try:
+        return importlib.metadata.version("sglang-router")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+@contextlib.contextmanager
+def sglang_router(
+    procs: Processes, log_dir: Path, policy: str, urls: Sequence[str], deadline: Deadline
+) -> Iterator[str]:
+    """`sglang_router.launch_router` in front of the engines; its base URL once `/readiness`
+    counts every engine healthy."""
+    import httpx
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port, metrics_port = free_ports(2)
+    log_path = log_dir / f"sglang-{policy}.log"
+    with log_path.open("wb") as log:
+        process = procs.spawn(
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                *urls,
+                "--policy",
+                policy,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(metrics_port),
+                "--log-level",
+                "warn",
+                "--shutdown-grace-period-secs",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(trust_env=False, timeout=5) as client:
+
+            def ready() -> bool:
+                response = client.get(f"{base}/readiness")
+                healthy = response.json().get("healthy_workers", 0) if response.is_success else 0
+                return bool(healthy == len(urls))
+
+            wait_until(ready, deadline.left(60), f"sglang-router {policy}", process, log_path)
+        yield base
+    finally:
+        procs.stop(process)
+
+
+# ---- the part -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Agreement:
+    algorithm: str
+    same_engine: float = math.nan
+    compared: int = 0
+    first: PassResult | None = None
+    second: PassResult | None = None
+
+
+@dataclass
+class Goal:
+    what: str
+    target: str
+    value: float
+    met: bool | None
+    """None: not measured (the router or the algorithm was skipped)."""
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    """Everything one run measured."""
+
+    passes: list[PassResult] = field(default_factory=list)
+    agreements: list[Agreement] = field(default_factory=list)
+    slow: list[PassResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    bound: float = math.nan
+
+
+class Bench:
+    """The engines (started once) and every pass over them."""
+
+    def __init__(
+        self,
+        procs: Processes,
+        log_dir: Path,
+        trace: Trace,
+        settings: Settings,
+        deadline: Deadline,
+        profiler: Profiler,
+    ) -> None:
+        self.procs = procs
+        self.profiler = profiler
+        self.log_dir = log_dir
+        self.trace = trace
+        self.settings = settings
+        self.deadline = deadline
+        self.urls: list[str] = []
+        self.run = Run()
+        self.chars = {
+            (c.index, t): len(prompt_text(c, t))
+            for c in trace.conversations
+            for t in range(len(c.turns))
+        }
+
+    def one_pass(
+        self,
+        base: str,
+        router: str,
+        kind: str,
+        algorithm: str,
+        *,
+        slow: bool = False,
+        replica: Replica | None = None,
+    ) -> tuple[PassResult, list[Outcome]]:
+        """One pass through `base`; with `replica` (the one behind `base`), its retries during
+        the pass by reason (a retried request may end on another engine)."""
+        from benchmarks.routing import retries_by_reason
+
+        reset_engines(self.urls, slow)
+        retries_before = retries_by_reason(replica) if replica is not None else {}
+        started = time.monotonic()
+        outcomes, complete = replay(base, self.trace, self.settings.users, self.deadline)
+        wall = time.monotonic() - started
+        retries_after = retries_by_reason(replica) if replica is not None else {}
+        result = summarise(
+            router,
+            kind,
+            algorithm,
+            outcomes,
+            wall,
+            complete,
+            engine_lookups(self.urls),
+            self.chars,
+        )
+        result.retries = {
+            reason: round(count - retries_before.get(reason, 0.0))
+            for reason, count in sorted(retries_after.items())
+            if count > retries_before.get(reason, 0.0)
+        }
+        self._check(result)
+        shares = " ".join(f"{num(result.shares.get(e, 0) * 100)}" for e in ENGINE_IDS)
+        print(
+            f"  {router:<28}{' (slow engine)' if slow else ''} {result.requests - result.failed}"
+            f"/{self.trace.requests} OK, blocks hit {num(result.block_hit_rate * 100, 1)} %, "
+            f"TTFT p50 {num(result.ttft_p50_ms)} p99 {num(result.ttft_p99_ms)} ms, stickiness "
+            f"{num(result.stickiness, 3)}, max/min {num(result.max_min, 2)}, shares % {shares} "
+            f"({wall:.1f} s)" + (f", replica retries {result.retries}" if result.retries else ""),
+            file=sys.stderr,
+        )
+        return result, outcomes
+
+    def _check(self, result: PassResult) -> None:
+        label = result.router
+        if not result.complete:
+            self.run.problems.append(
+                f"{label}: the time budget ended the pass after {result.requests} of "
+                f"{self.trace.requests} requests"
+            )
+        if result.failed:
+            self.run.problems.append(
+                f"{label}: {result.failed} requests failed (first: {result.first_failure})"
+            )
+        if result.prompt_mismatches:
+            self.run.problems.append(
+                f"{label}: {result.prompt_mismatches} answers counted a prompt of another length "
+                "than the trace's"
+            )
+        unnamed = set(result.per_engine) - set(ENGINE_IDS)
+        if unnamed:
+            self.run.problems.append(f"{label}: answers from unknown engines {sorted(unnamed)}")
+
+    def has_time(self, what: str, seconds: float) -> bool:
+        if self.deadline.left(1e9) >= seconds:
+            return True
+        self.run.skipped.append(f"{what}: the time budget ran out")
+        return False
+
+    def stargate(self, algorithm: str) -> None:
+        definition, reason = stargate_definition(algorithm)
+        if definition is None:
+            self.run.skipped.append(f"stargate {algorithm}: not available here ({reason})")
+            print(f"  stargate {algorithm}: skipped ({reason})", file=sys.stderr)
+            return
+        label = f"stargate {algorithm}"
+        if not self.has_time(label, 20):
+            return
+        replicas = 2 if algorithm in AGREEMENT_ALGORITHMS else 1
+        log_dir = self.log_dir / algorithm
+        with stargate_routers(
+            self.procs, log_dir, algorithm, definition, replicas, self.urls, self.deadline
+        ) as routers:
+            replica = routers.replicas[0]
+            with self.profiler.record(replica.pid, 120, f"the {algorithm} pass"):
+                first, first_outcomes = self.one_pass(
+                    replica.base, label, "stargate", algorithm, replica=replica
+                )
+            self.run.passes.append(first)
+            if replicas == 2 and self.has_time(f"{label}, replica B", 20):
+                second, second_outcomes = self.one_pass(
+                    routers.bases[1],
+                    f"{label} (replica B)",
+                    "stargate",
+                    algorithm,
+                    replica=routers.replicas[1],
+                )
+                same, compared = agreement(first_outcomes, second_outcomes)
+                self.run.agreements.append(Agreement(algorithm, same, compared, first, second))
+                print(
+                    f"  {label}: {num(same * 100, 1)} % of {compared} requests on the same engine "
+                    "through replicas A and B",
+                    file=sys.stderr,
+                )
+
+    def stargate_slow(self, algorithm: str) -> None:
+        definition, reason = stargate_definition(algorithm)
+        label = f"stargate {algorithm}"
+        if definition is None:
+            self.run.skipped.append(f"{label} with a slow engine: not available here ({reason})")
+            return
+        if not self.has_time(f"{label} with a slow engine", 20):
+            return
+        with stargate_routers(
+            self.procs,
+            self.log_dir / f"{algorithm}-slow",
+            algorithm,
+            definition,
+            1,
+            self.urls,
+            self.deadline,
+        ) as routers:
+            result, _ = self.one_pass(
+                routers.bases[0],
+                label,
+                "stargate",
+                algorithm,
+                slow=True,
+                replica=routers.replicas[0],
+            )
+            self.run.slow.append(result)
+
+    def sglang(self, policy: str) -> None:
+        label = f"sglang-router {policy}"
+        missing = sglang_router_available()
+        if missing:
+            self.run.skipped.append(f"{label}: {missing}")
+            print(f"  {label}: skipped ({missing})", file=sys.stderr)
+            return
+        if not self.has_time(label, 20):
+            return
+        with sglang_router(
+            self.procs, self.log_dir / "sglang", policy, self.urls, self.deadline
+        ) as base:
+            result, _ = self.one_pass(base, label, "sglang", policy)
+            self.run.passes.append(result)
+
+    def guarded(self, what: str, step: Any, *args: Any) -> None:
+        """Run one router's passes; a failure to start it is a problem of this run, not its end."""
+        import httpx
+
+        try:
+            step(*args)
+        except (BenchError, OSError, httpx.HTTPError) as error:
+            first = str(error).splitlines()[0] if str(error) else repr(error)
+            self.run.problems.append(f"{what}: {first}")
+            print(f"  {what} failed: {error}", file=sys.stderr)
+
+
+def run(suite: Suite) -> PartResult:
     settings = settings_for(suite)
     deadline = Deadline(settings.budget)
     began = time.monotonic()
     trace = build_trace(settings)
-    blocks = max(16, round(trace.working_set_blocks * CACHE_SHARE))
-    print(
-        f"  trace: {len(trace.conversations)} conversations, {len(trace.order)} requests, "
-        f"working set {trace.working_set_blocks:,} blocks; {blocks:,} blocks per engine",
-        file=sys.stderr,
-    )
     procs = Processes()
     profiler = Profiler(suite.profile, suite.out_dir, procs, NAME)
-    results: list[AlgorithmResult] = []
-    registrations: list[StatsRegistration] = []
-    problems: list[str] = []
+    bench: Bench | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="stargate-affinity-") as tmp:
-            log_dir = Path(tmp)
-            config_path = log_dir / "lb.json"
-            config_path.write_text(json.dumps(LB_CONFIG))
-            urls = _start_engines(procs, log_dir, blocks, deadline)
-            replica = start_replica(
-                procs, log_dir, "affinity", deadline, extra_args=[f"--lb-config-path={config_path}"]
+            bench = Bench(procs, Path(tmp), trace, settings, deadline, profiler)
+            bench.run.bound = infinite_cache_bound(trace)
+            print(
+                f"  trace: {len(trace.conversations)} conversations x {settings.turns} turns over "
+                f"{len(trace.systems)} system prompts, {settings.users} users; one infinite "
+                f"cache would hit {bench.run.bound * 100:.1f} % of the blocks",
+                file=sys.stderr,
             )
-            for i, url in enumerate(urls):
-                registrations.append(StatsRegistration(replica.grpc, f"engine-{i}", url))
-            for registration in registrations:
-                registration.wait_ack(deadline.left(20))
-            with httpx.Client(trust_env=False, timeout=10) as control:
-                probe_headers = {"x-request-id": "probe", "x-model": MODEL, "x-input-tokens": "1"}
-                probe_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-                wait_until(
-                    lambda: (
-                        control.post(
-                            f"{replica.base}/v1/chat/completions",
-                            headers=probe_headers,
-                            json=probe_body,
-                        ).status_code
-                        == 200
-                    ),
-                    deadline.left(20),
-                    "the replica routing to the engines",
-                    replica.process,
-                    replica.log_path,
-                )
-                for algorithm in ALGORITHMS:
-                    if deadline.left(1e9) < 3:
-                        problems.append(f"skipped (time budget): {algorithm}")
-                        continue
-                    for url in urls:
-                        _control(control, url, {"reset": True})
-                    started = time.monotonic()
-                    profiling = (
-                        profiler.record(replica.pid, 30, f"the {algorithm} replay")
-                        if algorithm == "pulsar"
-                        else contextlib.nullcontext()
-                    )
-                    with profiling:
-                        outcomes, complete = replay_all(
-                            replica.base, algorithm, trace, settings, deadline
-                        )
-                    wall = time.monotonic() - started
-                    counters = [_control(control, url)["counters"]["prefix_cache"] for url in urls]
-                    result = summarise(algorithm, outcomes, counters, wall)
-                    result.complete = complete
-                    if not complete:
-                        problems.append(
-                            f"{algorithm}: the time budget ended the replay after "
-                            f"{len(outcomes)} of {len(trace.order)} requests"
-                        )
-                    if result.failed:
-                        first = next(o for o in outcomes if o.status != 200 or o.error)
-                        problems.append(
-                            f"{algorithm}: {result.failed} requests failed (first: status "
-                            f"{first.status} {first.error})"
-                        )
-                    results.append(result)
-                    print(
-                        f"  {algorithm:<15} hit {num(result.hit_rate_chars * 100, 1)} % chars, "
-                        f"TTFT p50 {num(result.ttft_p50_ms)} ms p99 {num(result.ttft_p99_ms)} ms, "
-                        f"per engine {result.per_engine} ({wall:.1f} s)",
-                        file=sys.stderr,
-                    )
+            bench.urls = start_engines(procs, Path(tmp), deadline)
+            for algorithm in STARGATE_ALGORITHMS:
+                bench.guarded(f"stargate {algorithm}", bench.stargate, algorithm)
+            for policy in SGLANG_POLICIES:
+                bench.guarded(f"sglang-router {policy}", bench.sglang, policy)
+            for algorithm in SLOW_ALGORITHMS:
+                bench.guarded(f"stargate {algorithm}, slow", bench.stargate_slow, algorithm)
     finally:
-        for registration in registrations:
-            with contextlib.suppress(Exception):
-                registration.close()
         procs.stop_all()
-    if not results:
-        raise BenchError("no algorithm fitted in the time budget")
-    _judge(results)
+    measured = bench.run if bench is not None else Run()
+    if not measured.passes:
+        raise BenchError("no router was measured: " + "; ".join(measured.problems))
+    goals = judge(measured)
+    for goal in goals:
+        print(f"  goal {goal.what}: {_verdict(goal)}", file=sys.stderr)
     chart = suite.out_dir / f"{NAME}.png"
-    charts = [chart.name] if _chart(results, chart) else []
+    charts = [chart.name] if draw_chart(measured, chart) else []
     notes = [profiler.note] if profiler.note else []
-    notes.append(
-        "The character hit rate counts every whole cached block, the shared system prompts "
-        "included: a balancer that ignores the key still hits the system prompt on whichever "
-        "engine it picks once that engine has served it, so power-of-n's figure is well above "
-        "zero; the history columns leave the system prompt out."
-    )
+    notes += [f"skipped: {what}" for what in measured.skipped]
+    sglang = sglang_router_version() if not sglang_router_available() else ""
     return PartResult(
         NAME,
         TITLE,
-        _markdown(results, trace, settings, blocks),
+        markdown(measured, goals, trace, settings, sglang),
         {
-            "algorithms": [asdict(r) for r in results],
-            "working_set_blocks": trace.working_set_blocks,
+            "bound_block_hit_rate": measured.bound,
+            "routers": [asdict(p) for p in measured.passes],
+            "agreement": [
+                {"algorithm": a.algorithm, "same_engine": a.same_engine, "compared": a.compared}
+                for a in measured.agreements
+            ],
+            "replica_b": [asdict(a.second) for a in measured.agreements if a.second is not None],
+            "slow_engine": [asdict(p) for p in measured.slow],
+            "goals": [asdict(g) for g in goals],
+            "skipped": measured.skipped,
+            "requests_per_pass": trace.requests,
+            "sglang_router_version": sglang,
         },
         settings={
             **asdict(settings),
             "engines": ENGINES,
-            "cache_blocks_per_engine": blocks,
-            "ttft_ms": TTFT_MS,
-            "speedup": SPEEDUP,
+            "cache_blocks_per_engine": CACHE_BLOCKS,
             "block_chars": BLOCK_CHARS,
-            "tokens": TOKENS,
+            "speedup": SPEEDUP,
+            "ttft_ms": TTFT_MS,
             "inter_token_ms": INTER_TOKEN_MS,
-            "lb_config": LB_CONFIG,
+            "tokens": TOKENS,
+            "slowdown": SLOWDOWN,
+            "slow_engine": SLOW_ENGINE,
+            "definitions": DEFINITIONS,
         },
-        problems=problems,
+        problems=measured.problems,
         charts=charts,
         notes=notes,
         elapsed=time.monotonic() - began,
     )
 
 
-def _judge(results: list[AlgorithmResult]) -> None:
-    """The issue's goal, per affinity algorithm: >= 2x power-of-n's char hit rate and no engine
-    above 1.5x its fair share."""
-    base = next((r for r in results if r.algorithm == "power-of-n"), None)
-    for result in results:
-        if base is not None and base.hit_rate_chars > 0:
-            result.hit_ratio_vs_power_of_n = result.hit_rate_chars / base.hit_rate_chars
-        if base is not None and base.history_hit_rate > 0:
-            result.history_ratio_vs_power_of_n = result.history_hit_rate / base.history_hit_rate
-        if result.algorithm in AFFINITY_ALGORITHMS and base is not None:
-            result.goal_met = bool(
-                result.complete
-                and not result.failed
-                and result.hit_ratio_vs_power_of_n >= GOAL_HIT_RATIO
-                and result.max_share_vs_fair <= GOAL_MAX_SHARE
-            )
+# ---- the verdict and the report -----------------------------------------------------------------
 
 
-def _goal_cell(result: AlgorithmResult) -> str:
-    if result.goal_met is None:
-        return "(baseline)" if result.algorithm == "power-of-n" else "-"
-    reasons = []
-    if not result.hit_ratio_vs_power_of_n >= GOAL_HIT_RATIO:
-        reasons.append(f"hit x{num(result.hit_ratio_vs_power_of_n, 2)} < x{GOAL_HIT_RATIO:g}")
-    if not result.max_share_vs_fair <= GOAL_MAX_SHARE:
-        reasons.append(f"max share x{num(result.max_share_vs_fair, 2)} > x{GOAL_MAX_SHARE:g}")
-    if not result.complete or result.failed:
-        reasons.append("incomplete")
-    return "met" if result.goal_met else "NOT met (" + "; ".join(reasons) + ")"
+def _pass(run: Run, router: str) -> PassResult | None:
+    return next((p for p in run.passes if p.router == router), None)
 
 
-def _markdown(results: list[AlgorithmResult], trace: Trace, settings: Settings, blocks: int) -> str:
-    rows = [
+def judge(run: Run) -> list[Goal]:
+    """The issue's goals for prefix-aware (met None when a figure is missing)."""
+    goal = _pass(run, f"stargate {GOAL_ALGORITHM}")
+    sglang = _pass(run, "sglang-router cache_aware")
+    goals: list[Goal] = []
+
+    def add(what: str, target: str, value: float, ok: bool, detail: str = "") -> None:
+        met = None if math.isnan(value) else ok
+        goals.append(Goal(what, target, value, met, detail or num(value, 3)))
+
+    reference = sglang.block_hit_rate if sglang is not None else math.nan
+    hit = goal.block_hit_rate if goal is not None else math.nan
+    add(
+        f"{GOAL_ALGORITHM} block hit rate vs sglang-router cache_aware",
+        f"at least cache_aware's - {GOAL_HIT_MARGIN:g}",
+        hit - reference,
+        hit - reference >= -GOAL_HIT_MARGIN,
+        f"{num(hit, 3)} vs {num(reference, 3)}",
+    )
+    value = goal.stickiness if goal is not None else math.nan
+    add(f"{GOAL_ALGORITHM} stickiness", f">= {GOAL_STICKINESS:g}", value, value >= GOAL_STICKINESS)
+    value = goal.max_min if goal is not None else math.nan
+    add(
+        f"{GOAL_ALGORITHM} max/min requests per engine",
+        f"<= {GOAL_MAX_MIN:g}",
+        value,
+        value <= GOAL_MAX_MIN,
+    )
+    slow = next((p for p in run.slow if p.algorithm == GOAL_ALGORITHM), None)
+    value = slow.shares.get(SLOW_ENGINE, math.nan) if slow is not None else math.nan
+    add(
+        f"{GOAL_ALGORITHM} slow engine's share",
+        f"<= {GOAL_SLOW_SHARE:g}",
+        value,
+        value <= GOAL_SLOW_SHARE,
+    )
+    agreed = next((a for a in run.agreements if a.algorithm == GOAL_ALGORITHM), None)
+    value = agreed.same_engine if agreed is not None else math.nan
+    add(
+        f"{GOAL_ALGORITHM} agreement across replicas",
+        f">= {GOAL_AGREEMENT:g}",
+        value,
+        value >= GOAL_AGREEMENT,
+    )
+    return goals
+
+
+def _verdict(goal: Goal) -> str:
+    if goal.met is None:
+        return f"n/a (not measured; goal {goal.target})"
+    return f"{'pass' if goal.met else 'MISS'} ({goal.detail}; goal {goal.target})"
+
+
+def _retries(result: PassResult) -> str:
+    if result.kind != "stargate":
+        return "-"
+    return ", ".join(f"{n:,} {reason}" for reason, n in result.retries.items()) or "0"
+
+
+def _shares(result: PassResult) -> list[str]:
+    return [num(result.shares.get(e, math.nan), 3) for e in ENGINE_IDS]
+
+
+def markdown(run: Run, goals: list[Goal], trace: Trace, settings: Settings, sglang: str) -> str:
+    main = md_table(
         [
-            r.algorithm,
-            f"{r.requests - r.failed:,}/{r.requests:,}",
-            num(r.hit_rate_chars * 100, 1),
-            num(r.hit_rate_requests * 100, 1),
-            num(r.hit_ratio_vs_power_of_n, 2),
-            num(r.history_hit_rate * 100, 1),
-            num(r.history_ratio_vs_power_of_n, 2),
-            num(r.ttft_p50_ms),
-            num(r.ttft_p99_ms),
-            " / ".join(str(n) for n in r.per_engine),
-            num(r.max_min_ratio, 2),
-            num(r.max_share_vs_fair, 2),
-            _goal_cell(r),
-        ]
-        for r in results
-    ]
-    table = md_table(
-        [
-            "Algorithm",
-            "OK requests",
-            "Hit % (chars)",
-            "Requests with a hit %",
-            "Hit x power-of-n",
-            "History hit %",
-            "History x power-of-n",
+            "Router",
+            "Block hit rate",
             "TTFT p50 ms",
             "TTFT p99 ms",
-            "Requests per engine",
-            "Max/min",
-            "Max share / fair",
-            f"Goal (≥ x{GOAL_HIT_RATIO:g} hits, ≤ x{GOAL_MAX_SHARE:g} fair share)",
+            "Stickiness",
+            "Max/min requests per engine",
         ],
-        rows,
+        [
+            [
+                p.router,
+                num(p.block_hit_rate, 3),
+                num(p.ttft_p50_ms),
+                num(p.ttft_p99_ms),
+                num(p.stickiness, 3),
+                num(p.max_min, 2),
+            ]
+            for p in run.passes
+        ],
     )
-    turns = len(trace.order)
-    return (
-        f"{ENGINES} `stargate mock-backend` engines (`--ttft-ms {TTFT_MS:g} --inter-token-ms "
-        f"{INTER_TOKEN_MS:g} --tokens {TOKENS} --prefix-cache-blocks {blocks}`, speedup "
-        f"{SPEEDUP:g}, {BLOCK_CHARS}-char blocks: each holds about "
-        f"{CACHE_SHARE * 100:.0f} % of the trace's {trace.working_set_blocks:,}-block working "
-        f"set), registered with equal stats; one replica with an LB config (seed `{SEED}`, "
-        "wait-and-widen with `cache_affinity_backend_selection_count` 1). Trace: "
-        f"{len(trace.conversations)} conversations over {settings.system_prompts} system prompts "
-        f"(~{settings.system_chars:,} chars), {settings.min_turns}-{settings.max_turns} turns, "
-        f"{turns:,} streaming requests replayed in a seeded shuffled order, "
-        f"{settings.concurrency} in flight, `x-cache-affinity-key` = conversation id; engine "
-        "caches reset between algorithms. Hit % from the mock's per-request headers; TTFT = time "
-        "to the first `data:` event at the client; requests per engine from the engines' "
-        f"counters. *History* counts only what lies beyond the system prompt's whole blocks (the "
-        "conversation's own turns, which only affinity can keep hitting). Ceiling (one unbounded "
-        f"cache seeing the whole trace): {num(trace.ceiling_hit_rate_chars * 100, 1)} % of chars, "
-        f"{num(trace.ceiling_history_hit_rate * 100, 1)} % of history.\n\n{table}"
-        f"{_verdict(results, trace)}"
+    spread = md_table(
+        ["Router", "OK requests", *[f"{e} share" for e in ENGINE_IDS], "Replica retries", "Pass s"],
+        [
+            [
+                p.router,
+                f"{p.requests - p.failed:,}/{trace.requests:,}",
+                *_shares(p),
+                _retries(p),
+                num(p.wall_s),
+            ]
+            for p in run.passes
+        ],
     )
-
-
-def _verdict(results: list[AlgorithmResult], trace: Trace) -> str:
-    base = next((r for r in results if r.algorithm == "power-of-n"), None)
-    if base is None or math.isnan(base.hit_rate_chars):
-        return ""
-    lines = []
-    possible = base.hit_rate_chars * GOAL_HIT_RATIO
-    if possible > trace.ceiling_hit_rate_chars:
-        lines.append(
-            f"The goal as stated (x{GOAL_HIT_RATIO:g} power-of-n's character hit rate) is out of "
-            f"reach on this trace: power-of-n already hits {base.hit_rate_chars * 100:.1f} % "
-            "(mostly the shared system prompts), and doubling it would exceed the "
-            f"{trace.ceiling_hit_rate_chars * 100:.1f} % ceiling."
+    sections = [
+        f"{ENGINES} `stargate mock-backend` engines, each an LRU prefix cache of {CACHE_BLOCKS} "
+        f"blocks of {BLOCK_CHARS} characters (TTFT {TTFT_MS:g} ms x (1 - cached share x "
+        f"{SPEEDUP:g}), {TOKENS} tokens {INTER_TOKEN_MS:g} ms apart). Trace: "
+        f"{len(trace.conversations)} conversations x {settings.turns} turns "
+        f"({trace.requests:,} streaming chat requests, each resending the whole history) over "
+        f"{len(trace.systems)} shared system prompts of ~{settings.system_chars:,} characters, "
+        f"{settings.users} concurrent users; plain OpenAI requests (no `x-*` header). stargate: "
+        "a fresh replica (`--accept-openai-requests --derive-affinity-key`, the algorithm as the "
+        "model's LB config entry) and a fresh `stargate pylon` per engine for every pass; "
+        f"sglang-router {sglang or '(not installed)'} straight in front of the engines. Caches "
+        "and counters reset before every pass. Block hit rate = cached prompt blocks / whole "
+        "prompt blocks; TTFT at the client (to the first `data:` event); stickiness = turns "
+        "served by the engine of the conversation's previous turn.",
+        f"**Bound**: one infinite cache seeing the whole trace hits {num(run.bound, 3)} of the "
+        "blocks.",
+        main,
+        spread,
+    ]
+    if run.agreements:
+        sections.append(
+            "**Agreement across replicas**: the trace through replica A, then (caches reset) "
+            "through replica B of the same config:\n\n"
+            + md_table(
+                [
+                    "Algorithm",
+                    "Same engine in both passes",
+                    "Requests compared",
+                    "Block hit rate A / B",
+                    "Stickiness A / B",
+                ],
+                [
+                    [
+                        a.algorithm,
+                        num(a.same_engine, 3),
+                        f"{a.compared:,}",
+                        " / ".join(
+                            num(p.block_hit_rate, 3) for p in (a.first, a.second) if p is not None
+                        ),
+                        " / ".join(
+                            num(p.stickiness, 3) for p in (a.first, a.second) if p is not None
+                        ),
+                    ]
+                    for a in run.agreements
+                ],
+            )
         )
-    for result in results:
-        if result.algorithm not in AFFINITY_ALGORITHMS:
-            continue
-        history_met = (
-            result.history_ratio_vs_power_of_n >= GOAL_HIT_RATIO
-            and result.max_share_vs_fair <= GOAL_MAX_SHARE
+    if run.slow:
+        sections.append(
+            f"**A slow engine**: {SLOW_ENGINE}'s TTFT and inter-token time x{SLOWDOWN:g}; each "
+            "engine's share of the requests:\n\n"
+            + md_table(
+                [
+                    "Algorithm",
+                    *[f"{e}{' (slow)' if e == SLOW_ENGINE else ''}" for e in ENGINE_IDS],
+                    "Block hit rate",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                ],
+                [
+                    [
+                        p.algorithm,
+                        *_shares(p),
+                        num(p.block_hit_rate, 3),
+                        num(p.ttft_p50_ms),
+                        num(p.ttft_p99_ms),
+                    ]
+                    for p in run.slow
+                ],
+            )
         )
-        lines.append(
-            f"{result.algorithm}: goal {'met' if result.goal_met else 'NOT met'} on the "
-            f"character hit rate (x{num(result.hit_ratio_vs_power_of_n, 2)}); on the history "
-            f"hit rate x{num(result.history_ratio_vs_power_of_n, 2)}, busiest engine "
-            f"x{num(result.max_share_vs_fair, 2)} its fair share: "
-            f"{'met' if history_met else 'NOT met'}."
-        )
-    return "\n\n" + "\n".join(f"- {line}" for line in lines)
+    sections.append(
+        "**The issue's goals**:\n\n"
+        + "\n".join(f"- {goal.what}: {_verdict(goal)}" for goal in goals)
+    )
+    return "\n\n".join(sections)
 
 
-def _chart(results: list[AlgorithmResult], path: Path) -> bool:
+def draw_chart(run: Run, path: Path) -> bool:
     try:
         import matplotlib
 
@@ -770,43 +1248,31 @@ def _chart(results: list[AlgorithmResult], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [r.algorithm for r in results]
-    xs = list(range(len(results)))
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    passes = run.passes
+    xs = list(range(len(passes)))
     width = 0.38
-    axes[0].bar(
-        [x - width / 2 for x in xs], [r.hit_rate_chars * 100 for r in results], width, label="chars"
-    )
-    axes[0].bar(
-        [x + width / 2 for x in xs],
-        [r.history_hit_rate * 100 for r in results],
+    figure, axis = plt.subplots(figsize=(max(7.0, 1.3 * len(passes) + 2), 4.8))
+    axis.bar(
+        [x - width / 2 for x in xs],
+        [p.block_hit_rate for p in passes],
         width,
-        label="history (beyond the system prompt)",
+        label="block hit rate",
     )
-    base = next((r for r in results if r.algorithm == "power-of-n"), None)
-    if base is not None and not math.isnan(base.hit_rate_chars):
-        for value, color, label in (
-            (base.hit_rate_chars, "tab:blue", "goal: 2x power-of-n, chars"),
-            (base.history_hit_rate, "tab:orange", "goal: 2x power-of-n, history"),
-        ):
-            axes[0].axhline(
-                min(100.0, value * 100 * GOAL_HIT_RATIO), color=color, linestyle=":", label=label
-            )
-    axes[0].set_ylabel("prefix-cache hit rate (%)")
-    axes[0].set_ylim(0, 105)
-    axes[1].bar([x - width / 2 for x in xs], [r.ttft_p50_ms for r in results], width, label="p50")
-    axes[1].bar([x + width / 2 for x in xs], [r.ttft_p99_ms for r in results], width, label="p99")
-    axes[1].axhline(TTFT_MS, color="grey", linestyle=":", label=f"uncached TTFT {TTFT_MS:g} ms")
-    axes[1].set_ylabel("TTFT at the client (ms)")
-    axes[2].bar(xs, [r.max_share_vs_fair for r in results], 0.6)
-    axes[2].axhline(GOAL_MAX_SHARE, color="tab:red", linestyle=":", label="goal ≤ 1.5x fair")
-    axes[2].axhline(1.0, color="grey", linewidth=0.8)
-    axes[2].set_ylabel("busiest engine's requests / fair share")
-    for axis in axes:
-        axis.set_xticks(xs, names, fontsize=8)
-        axis.grid(True, axis="y", alpha=0.3)
-        axis.legend(fontsize=7, loc="lower left")
-    figure.suptitle(f"stargate {NAME}: {TITLE}", fontsize=10)
+    axis.bar([x + width / 2 for x in xs], [p.stickiness for p in passes], width, label="stickiness")
+    if not math.isnan(run.bound):
+        axis.axhline(run.bound, color="grey", linestyle=":", label="bound: one infinite cache")
+    axis.axhline(
+        GOAL_STICKINESS,
+        color="tab:red",
+        linestyle=":",
+        linewidth=0.8,
+        label=f"goal: stickiness {GOAL_STICKINESS:g}",
+    )
+    axis.set_ylim(0, 1.22)
+    axis.set_xticks(xs, [p.router.replace(" ", "\n", 1) for p in passes], fontsize=8)
+    axis.grid(True, axis="y", alpha=0.3)
+    axis.legend(fontsize=7, loc="upper center", ncol=4)
+    axis.set_title(f"stargate {NAME}: block hit rate and stickiness per router", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -163,6 +163,30 @@ class Processes:
     def stop_all(self) -> None:
         self._stop(list(reversed(self._started)), 5)
 
+    def stop_together(self, processes: Sequence[subprocess.Popen[Any]], timeout: float) -> None:
+        """Stop several processes this object started at once: each gets its stop signal, then
+        they are waited for within one shared `timeout` (not one each), and those still running
+        are killed. (A `stargate pylon` can take tens of seconds to finish after SIGTERM.)"""
+        chosen = [
+            (process, stop_signal)
+            for process, stop_signal in self._started
+            if any(process is wanted for wanted in processes)
+        ]
+        for process, stop_signal in chosen:
+            if process.poll() is None:
+                process.send_signal(stop_signal)
+        end = time.monotonic() + timeout
+        for process, _ in chosen:
+            try:
+                process.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None and not pipe.closed:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
     @staticmethod
     def _stop(
         processes: list[tuple[subprocess.Popen[Any], signal.Signals]], timeout: float

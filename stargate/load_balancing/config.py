@@ -223,7 +223,7 @@ class AlgorithmSpec:
     ignore_input_processing_time: bool = False
     group_boost: float = DEFAULT_GROUP_BOOST
     overflow_ms: int = DEFAULT_OVERFLOW_MS
-    capacity_weights: bool = False
+    capacity_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -556,7 +556,7 @@ def _specific_settings(name: str, settings: Mapping[str, object]) -> dict[str, A
     if name == PREFIX_AWARE:
         out["group_boost"] = _setting(settings, "group_boost", DEFAULT_GROUP_BOOST)
         out["overflow_ms"] = _setting(settings, "overflow_ms", DEFAULT_OVERFLOW_MS)
-        out["capacity_weights"] = _setting(settings, "capacity_weights", False)
+        out["capacity_weights"] = _setting(settings, "capacity_weights", True)
     if name in WAIT_AND_WIDEN_VARIANTS:
         # 0 virtual nodes would leave the ring empty and n = 0 would sample nothing: both are 1.
         out["cache_affinity_virtual_nodes"] = max(

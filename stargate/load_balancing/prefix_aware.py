@@ -6,13 +6,12 @@ the same cluster snapshots make the same choice for the same request (agreement 
 
 One selection:
 
-1. *Weights.* Each cluster not excluded weighs 1. With `capacity_weights`, its weight is its
-   input TPS relative to the largest, rounded to a power of two (1, 1/2, 1/4...: `_rounded`); a
-   cluster without a valid TPS then does not take part, unless none has one (all weigh 1).
-   Off by default: the TPS a Pylon measures follows the prompts its engine happened to get (their
-   lengths, their cache hits) and moves 2x between identical engines, and every move of a weight
-   moves the keys near a boundary, so a conversation would change engines (and lose its cache).
-   A slow engine is left by step 5 instead, as its queue grows.
+1. *Weights.* Each cluster not excluded weighs its input TPS relative to the largest, rounded
+   to a power of two (1, 1/2, 1/4...: `_rounded`); a cluster without a valid TPS takes part with
+   the smallest weight, 2**-30 (all weigh 1 when none has one). Rounding matters: measured TPS
+   wanders with the prompts an engine happened to get, and every move of a weight moves the keys
+   near a boundary, so a conversation would change engines (and lose its cache). With
+   `capacity_weights` off, every cluster weighs 1.
 2. *Group home.* A request with a prefix group (the chain element ending its system prompt,
    `RoutingRequest.prefix_group`) has a group home: the first cluster of the group's weighted
    rendezvous ranking. Its weight counts `group_boost` times for this request, so the
@@ -30,7 +29,12 @@ One selection:
    on down the ranking, each later cluster allowed only `overflow_ms` above the least; the least
    queued cluster always qualifies. Stats come from the Pylons and are the same on every replica,
    so overflow agrees too (up to a heartbeat's skew).
-6. *Backend.* Steps 1 to 3 and 5 run again over the chosen cluster's backends (their ids, their
+4b. *Precise mode.* When the engines publish their cached blocks (`BackendSnapshot.kv_blocks`,
+   docs/prefix-routing.md, "Precise mode") and a feasible cluster holds a longer leading run of
+   the request's chain than the home, the first such cluster of the ranking becomes the home (a
+   new conversation joins the engine that holds its system prompt; a turn stays where its
+   history is). The engines' sets are the same on every replica, up to a heartbeat's skew.
+6. *Backend.* Steps 1 to 3, 4b and 5 run again over the chosen cluster's backends (their ids, their
    own stats), and the `Choice` carries that order: the forwarder tries the backends in it
    instead of the cluster's round robin. Pylons registered without `--cluster-id` all share the
    cluster "", so for such a fleet this is the step that places the request.
@@ -47,7 +51,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import Final
@@ -77,9 +81,10 @@ __all__ = [
 ]
 
 DEFAULT_GROUP_BOOST: Final = 2.0
-DEFAULT_OVERFLOW_MS: Final = 1000
-"""Pylon stats arrive once a heartbeat (1 s) and lag the engine by as much: a smaller margin
-moves conversations on stale queue figures (docs/prefix-routing.md, Load)."""
+DEFAULT_OVERFLOW_MS: Final = 5000
+"""A Pylon's queue estimate counts the requests in prefill and arrives once a heartbeat: a busy
+engine that batches its prefills shows a second or more. Only a far larger excess is
+congestion (docs/prefix-routing.md, "Why overflow_ms is five seconds")."""
 EXACT_LIMIT: Final = 64
 """Up to this many clusters, every one is ranked."""
 MIN_WEIGHT_EXPONENT: Final = -30
@@ -129,16 +134,24 @@ _Stats = Callable[[int], ModelStats]
 
 
 def _weights(
-    candidates: Sequence[int], ident: _Id, stats: _Stats, excluded: AbstractSet[str], capacity: bool
+    candidates: Sequence[int], ident: _Id, stats: _Stats, excluded: AbstractSet[str], largest: float
 ) -> dict[int, float]:
-    """Step 1 over the candidates: each one's weight, 0 for one that does not take part."""
-    if not capacity:
-        return {i: 0.0 if ident(i) in excluded else 1.0 for i in candidates}
-    raw = {i: 0.0 if ident(i) in excluded else input_tps(stats(i)) for i in candidates}
-    largest = max(raw.values(), default=0.0)
+    """Step 1 over the candidates: each one's weight (0: excluded). `largest` is the largest
+    input TPS of all the items (0: weights are off, or nothing is measured: all weigh 1)."""
     if largest <= 0.0:
         return {i: 0.0 if ident(i) in excluded else 1.0 for i in candidates}
-    return {i: _rounded(tps / largest) if tps > 0.0 else 0.0 for i, tps in raw.items()}
+    return {i: 0.0 if ident(i) in excluded else _weight(stats(i), largest) for i in candidates}
+
+
+def _weight(stats: ModelStats, largest: float) -> float:
+    """A measured item's rounded share of the largest TPS; an unmeasured one the smallest weight
+    (it takes part, last)."""
+    tps = input_tps(stats)
+    return _rounded(tps / largest) if tps > 0.0 else 2.0**MIN_WEIGHT_EXPONENT
+
+
+def _largest(stats: Iterable[ModelStats]) -> float:
+    return max((input_tps(s) for s in stats), default=0.0)
 
 
 def _rounded(share: float) -> float:
@@ -190,21 +203,22 @@ def _rank(
     stats: _Stats,
     excluded: AbstractSet[str],
     group_boost: float,
-    capacity: bool,
+    largest: float,
     ring: _Ring | None = None,
     group_homes: dict[bytes, int] | None = None,
 ) -> list[int]:
-    """Steps 1 to 3 over `count` items (clusters, or one cluster's backends). `group_homes`
-    caches each group's home: only valid while the items' ids and weights stay the same."""
+    """Steps 1 to 3 over `count` items (clusters, or one cluster's backends); `largest` as for
+    `_weights`. `group_homes` caches each group's home: only valid while the items' ids and
+    weights stay the same."""
     key, group_key = keys
     candidates: Sequence[int] = range(count) if ring is None else ring.candidates(key, PROBES)
-    weights = _weights(candidates, ident, stats, excluded, capacity)
+    weights = _weights(candidates, ident, stats, excluded, largest)
     if group_key is not None:
         home = None if group_homes is None else group_homes.get(group_key)
         if home is None:
             group_candidates = candidates if ring is None else ring.candidates(group_key, PROBES)
             missing = [i for i in group_candidates if i not in weights]
-            weights.update(_weights(missing, ident, stats, excluded, capacity))
+            weights.update(_weights(missing, ident, stats, excluded, largest))
             homes = _ranked(group_key, group_candidates, ident, weights)
             home = homes[0] if homes else -1
             if group_homes is not None:
@@ -215,7 +229,7 @@ def _rank(
             if home not in candidates:  # the group's home, found by its own probes
                 candidates = [*candidates, home]
                 if home not in weights:
-                    weights.update(_weights([home], ident, stats, excluded, capacity))
+                    weights.update(_weights([home], ident, stats, excluded, largest))
             weights[home] *= group_boost
     return _ranked(key, candidates, ident, weights)
 
@@ -227,7 +241,7 @@ def prefix_ranking(
     excluded: AbstractSet[str] = frozenset(),
     group_boost: float = DEFAULT_GROUP_BOOST,
     ring: _Ring | None = None,
-    capacity_weights: bool = False,
+    capacity_weights: bool = True,
 ) -> list[int]:
     """Steps 1 to 3: indices into `clusters` of the ranked clusters, best first. `ring` (the
     ring of `clusters`' ids) limits the ranking to its probes' candidates."""
@@ -238,7 +252,7 @@ def prefix_ranking(
         lambda i: clusters[i].stats,
         excluded,
         group_boost,
-        capacity_weights,
+        _largest(c.stats for c in clusters) if capacity_weights else 0.0,
         ring,
     )
 
@@ -263,6 +277,39 @@ def _overflow(
     return next(p for p in range(1, len(ranked)) if excess(p) <= overflow_ms)
 
 
+def _matched(chain: Sequence[int], backends: Sequence[BackendSnapshot]) -> int:
+    """How many leading blocks of `chain` some backend's engine holds (precise mode)."""
+    best = 0
+    for backend in backends:
+        held = backend.kv_blocks
+        if not held:
+            continue
+        count = 0
+        for block in chain:
+            if block not in held:
+                break
+            count += 1
+        best = max(best, count)
+    return best
+
+
+def _promote_longest_match(
+    ranked: list[int], chain: Sequence[int], backends_of: Callable[[int], Sequence[BackendSnapshot]]
+) -> list[int]:
+    """Step 4b, precise mode: when engines publish their cached blocks and another item holds a
+    longer leading run of the request's chain than the home, the first such item of the ranking
+    (holding the longest) becomes the home; the rest keep their order. Without published blocks,
+    or with the home holding the longest run, `ranked` as it is."""
+    if not chain or len(ranked) < 2:
+        return ranked
+    matched = [_matched(chain, backends_of(item)) for item in ranked]
+    best = max(matched)
+    if best == 0 or matched[0] == best:
+        return ranked
+    first = matched.index(best)
+    return [ranked[first], *ranked[:first], *ranked[first + 1 :]]
+
+
 def _saved_ms(stats: ModelStats, request: RoutingRequest) -> float:
     """What the home's cache is expected to save: the prefill of the request's input."""
     saved = delay(request.input_tokens, input_tps(stats)) * 1000.0
@@ -276,8 +323,10 @@ class PrefixAware:
     __slots__ = (
         "_group_homes",
         "_ids",
+        "_largest",
         "_ring",
         "_source",
+        "_weights",
         "capacity_weights",
         "consider_kv_free_tokens",
         "group_boost",
@@ -294,7 +343,7 @@ class PrefixAware:
         consider_kv_free_tokens: bool = False,
         group_boost: float = DEFAULT_GROUP_BOOST,
         overflow_ms: int = DEFAULT_OVERFLOW_MS,
-        capacity_weights: bool = False,
+        capacity_weights: bool = True,
     ) -> None:
         if not (math.isfinite(group_boost) and group_boost >= 1.0):
             raise ValueError(f"group_boost must be finite and at least 1, got {group_boost}")
@@ -305,22 +354,29 @@ class PrefixAware:
         self.capacity_weights = capacity_weights
         self._source: Sequence[ClusterSnapshot] | None = None
         self._ids: tuple[str, ...] = ()
+        self._weights: tuple[float, ...] = ()
+        self._largest = 0.0
         self._ring: _Ring | None = None
         self._group_homes: dict[bytes, int] = {}
 
     def _refresh(self, clusters: Sequence[ClusterSnapshot]) -> None:
-        """Keep the ring (above EXACT_LIMIT clusters) and the group homes for `clusters`' ids.
-        The routing state hands out the same tuple until the target changes, so this is usually
-        one identity test; a new tuple with the same ids (new stats) keeps both."""
+        """Keep the largest TPS, the ring (above EXACT_LIMIT clusters) and the group homes for
+        `clusters`. The routing state hands out the same tuple until the target changes, so this
+        is usually one identity test; a new tuple (new stats) keeps the homes while the ids and
+        the rounded weights stay the same, and the ring while the ids do."""
         if clusters is self._source:
             return
         self._source = clusters
+        self._largest = _largest(c.stats for c in clusters) if self.capacity_weights else 0.0
+        weights = tuple(_weight(c.stats, self._largest) for c in clusters) if self._largest else ()
         ids = tuple(cluster.cluster_id for cluster in clusters)
-        if ids == self._ids:
+        if ids == self._ids and weights == self._weights:
             return
-        self._ids = ids
+        self._weights = weights
         self._group_homes.clear()
-        self._ring = _Ring(ids) if len(ids) > EXACT_LIMIT else None
+        if ids != self._ids:
+            self._ids = ids
+            self._ring = _Ring(ids) if len(ids) > EXACT_LIMIT else None
 
     def choose(
         self,
@@ -332,8 +388,6 @@ class PrefixAware:
             return None
         self._refresh(clusters)
         keys = _keys(self.seed, request, self.group_boost)
-        # Homes depend on the ids alone unless weights (or exclusions) change them.
-        cacheable = not excluded and not self.capacity_weights
         ranking = _rank(
             keys,
             len(clusters),
@@ -341,9 +395,9 @@ class PrefixAware:
             lambda i: clusters[i].stats,
             excluded,
             self.group_boost,
-            self.capacity_weights,
+            self._largest,
             self._ring,
-            self._group_homes if cacheable else None,
+            None if excluded else self._group_homes,  # exclusions change the homes
         )
         verdicts = [
             feasibility(clusters[i], request.input_tokens, excluded, self.consider_kv_free_tokens)
@@ -352,6 +406,9 @@ class PrefixAware:
         feasible = [p for p, verdict in enumerate(verdicts) if verdict is Feasibility.ELIGIBLE]
         if not feasible:
             return None
+        feasible = _promote_longest_match(
+            feasible, request.prefix_chain, lambda p: clusters[ranking[p]].backends
+        )
         home = clusters[ranking[feasible[0]]]
         step = _overflow(
             [ranking[p] for p in feasible],
@@ -380,8 +437,9 @@ class PrefixAware:
             lambda i: backends[i].stats,
             frozenset(),
             self.group_boost,
-            self.capacity_weights,
+            _largest(b.stats for b in backends) if self.capacity_weights else 0.0,
         )
+        ranked = _promote_longest_match(ranked, request.prefix_chain, lambda i: (backends[i],))
         first = _overflow(
             ranked,
             lambda i: _backend_queue_ms(backends[i], cluster, request),

@@ -14,7 +14,14 @@ from stargate.load_balancing.balancers import RoutingRequest
 from stargate.load_balancing.config import AlgorithmSpec, LbConfigError, parse_lb_config
 from stargate.load_balancing.prefix_aware import EXACT_LIMIT, PrefixAware, prefix_ranking
 from stargate.load_balancing.registry import create_balancer
-from stargate.routing.state import ClusterSnapshot
+from stargate.routing.state import (
+    BackendSnapshot,
+    ClusterGeneration,
+    ClusterSnapshot,
+    Registration,
+    RegistrationIdentity,
+)
+from stargate.routing.stats import ModelStats
 from tests.unit.load_balancing.support import NO_EXCLUSIONS, req, snap
 
 EQUAL = [snap(f"c{i}", last_mean_input_tps=1000.0) for i in range(4)]
@@ -45,16 +52,17 @@ def test_the_same_request_gets_the_same_cluster_from_any_instance() -> None:
     assert sum(a != b for a, b in zip(first, other_seed, strict=True)) > 1000  # the seed counts
 
 
-def test_keys_spread_evenly_by_default_and_by_capacity_when_asked() -> None:
-    """By default every cluster weighs 1, whatever its TPS; with capacity_weights a cluster 4x
-    slower (a quarter of the TPS) is home to about 1/13 of the keys."""
+def test_keys_spread_by_capacity_or_evenly() -> None:
+    """By default a cluster 4x slower (a quarter of the TPS) is home to about 1/13 of the keys;
+    without capacity_weights every cluster weighs 1, whatever its TPS."""
     clusters = [snap(f"c{i}", last_mean_input_tps=4000.0) for i in range(3)]
     clusters.append(snap("slow", last_mean_input_tps=1000.0))
     keys = _keys(20_000)
-    even = Counter(_pick(PrefixAware(), clusters, req(100, key=k)) for k in keys)
+    even = Counter(
+        _pick(PrefixAware(capacity_weights=False), clusters, req(100, key=k)) for k in keys
+    )
     assert all(0.23 < n / 20_000 < 0.27 for n in even.values()) and len(even) == 4
-    weighted = PrefixAware(capacity_weights=True)
-    counts = Counter(_pick(weighted, clusters, req(100, key=k)) for k in keys)
+    counts = Counter(_pick(PrefixAware(), clusters, req(100, key=k)) for k in keys)
     assert 0.065 < counts["slow"] / 20_000 < 0.090
     for i in range(3):
         assert 0.29 < counts[f"c{i}"] / 20_000 < 0.33
@@ -82,10 +90,11 @@ def test_without_any_stats_every_cluster_takes_part() -> None:
     counts = Counter(_pick(PrefixAware(), clusters, req(10, key=k)) for k in _keys(8000))
     assert set(counts) == {"c0", "c1", "c2", "c3"}
     assert max(counts.values()) / min(counts.values()) < 1.15
-    # With capacity weights, a cluster without a TPS does not take part while others have one.
+    # A cluster without a TPS takes part last while others have one (the smallest weight).
     mixed = [snap("measured", last_mean_input_tps=10.0), snap("unmeasured")]
-    weighted = PrefixAware(capacity_weights=True)
-    assert {_pick(weighted, mixed, req(10, key=k)) for k in _keys(200)} == {"measured"}
+    assert {_pick(PrefixAware(), mixed, req(10, key=k)) for k in _keys(200)} == {"measured"}
+    choice = PrefixAware().choose(mixed, req(10, key="prefix:k"), frozenset({"measured"}))
+    assert choice is not None and choice.cluster.cluster_id == "unmeasured"
     # Queued work without a TPS is an infinite queue delay: on every cluster, no overflow.
     stuck = [snap(f"c{i}", queued_input_size=100) for i in range(4)]
     request = req(10, key="prefix:k")
@@ -198,11 +207,9 @@ def test_a_thousand_clusters_use_multi_probe_candidates() -> None:
         replace(c, stats=replace(c.stats, last_mean_input_tps=8000.0)) if i < 100 else c
         for i, c in enumerate(clusters)
     ]
+    even = PrefixAware(capacity_weights=False)
+    assert sum(_pick(even, heavy, req(10, key=k)) < "engine-0100" for k in keys) < 0.15 * len(keys)
     counts = Counter(_pick(balancer, heavy, req(10, key=k)) for k in keys)
-    heavy_share = sum(n for c, n in counts.items() if int(c.split("-")[1]) < 100) / len(keys)
-    assert heavy_share < 0.15  # weights are off by default
-    weighted = PrefixAware(capacity_weights=True)
-    counts = Counter(_pick(weighted, heavy, req(10, key=k)) for k in keys)
     heavy_share = sum(n for c, n in counts.items() if int(c.split("-")[1]) < 100) / len(keys)
     assert heavy_share > 0.3  # 10 % of the clusters with 8x the weight: well above 10 %
 
@@ -255,3 +262,71 @@ def test_configured_names_list_every_selectable_algorithm() -> None:
     )
     assert config.configured_names() == {"power-of-n", "random", "pulsar", "prefix-aware"}
     assert parse_lb_config({"default": "round-robin"}).configured_names() == {"round-robin"}
+
+
+def _with_blocks(
+    cluster_id: str, held: dict[str, set[int]], tps: float = 1000.0
+) -> ClusterSnapshot:
+    """A cluster whose backends (ids and cached blocks in `held`) publish KV blocks."""
+    stats = ModelStats(last_mean_input_tps=tps)
+    generation = ClusterGeneration(None, cluster_id)
+    backends = tuple(
+        BackendSnapshot(
+            Registration(
+                RegistrationIdentity(backend_id, cluster_id, f"http://{backend_id}", None),
+                generation,
+            ),
+            stats,
+            0,
+            0.0,
+            frozenset(blocks),
+        )
+        for backend_id, blocks in held.items()
+    )
+    return ClusterSnapshot(cluster_id, stats, 0.0, 0.0, backends)
+
+
+def test_precise_mode_promotes_the_longest_true_match() -> None:
+    """With published blocks, the cluster holding the longest leading run of the request's chain
+    becomes the home (the first of the ranking among equals); without any, the ranking rules."""
+    chain = (11, 12, 13, 14)
+    request = replace(req(1000, key="prefix:conversation"), prefix_chain=chain)
+    bare = [_with_blocks(f"c{i}", {f"b{i}": set()}) for i in range(4)]
+    ranking = [bare[i].cluster_id for i in prefix_ranking("", bare, request)]
+    assert _pick(PrefixAware(), bare, request) == ranking[0]
+
+    def fleet(held: dict[str, set[int]]) -> list[ClusterSnapshot]:
+        return [_with_blocks(c, {f"b-{c}": held.get(c, set())}) for c in sorted(ranking)]
+
+    # The third-ranked holds the system prompt's two blocks: it becomes the home.
+    choice = PrefixAware().choose(fleet({ranking[2]: {11, 12}}), request, NO_EXCLUSIONS)
+    assert choice is not None and choice.cluster.cluster_id == ranking[2]
+    # A run counts from the first block: a later block alone is no match.
+    assert _pick(PrefixAware(), fleet({ranking[2]: {12, 13, 14}}), request) == ranking[0]
+    # The home holding as much as any keeps it; among equals the ranking decides.
+    same = {ranking[0]: {11}, ranking[1]: {11}, ranking[3]: {11}}
+    assert _pick(PrefixAware(), fleet(same), request) == ranking[0]
+    equal = {ranking[1]: {11, 12}, ranking[3]: {11, 12}}
+    assert _pick(PrefixAware(), fleet(equal), request) == ranking[1]
+    # The longest wins over the ranking.
+    longer = {ranking[1]: {11}, ranking[3]: {11, 12, 13}}
+    assert _pick(PrefixAware(), fleet(longer), request) == ranking[3]
+    # A request without a chain (an explicit key, or no derivation) ignores the blocks.
+    plain = req(1000, key="prefix:conversation")
+    assert _pick(PrefixAware(), fleet(longer), plain) == ranking[0]
+
+
+def test_precise_mode_orders_the_backends_of_a_cluster() -> None:
+    """Inside one cluster (Pylons sharing a --cluster-id) the backend holding the longest run
+    comes first; without blocks the backends follow their own ranking, the same every time."""
+    request = replace(req(100, key="prefix:k"), prefix_chain=(1, 2, 3))
+    held = {f"engine-{i}": set() for i in range(4)}
+    plain = _with_blocks("one", held)
+    order = PrefixAware().choose([plain], request, NO_EXCLUSIONS)
+    assert order is not None and len(order.backends) == 4
+    again = PrefixAware().choose([plain], request, NO_EXCLUSIONS)
+    assert again is not None and again.backends == order.backends
+    last = order.backends[-1].inference_server_id
+    warm = _with_blocks("one", {**held, last: {1, 2}})
+    choice = PrefixAware().choose([warm], request, NO_EXCLUSIONS)
+    assert choice is not None and choice.backends[0].inference_server_id == last
