@@ -3,31 +3,10 @@ the config they make (the server itself is not started)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from click.testing import CliRunner
 
-from stargate.mock import cli
 from stargate.mock.app import MockBackendConfig
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[MockBackendConfig]:
-    """The configs the command would serve; nothing binds and logging is left alone."""
-    configs: list[MockBackendConfig] = []
-
-    async def serve(config: MockBackendConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "_serve_until_signalled", serve)
-    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
-    return configs
-
-
-def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
-    return CliRunner().invoke(cli.mock_backend_command, list(args), env=env)
+from tests.unit.mock.cli_runner import invoke
 
 
 def test_help_names_the_flags_and_their_environment_variables() -> None:

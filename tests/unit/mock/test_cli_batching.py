@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from stargate.mock import cli
 from stargate.mock.app import MockBackendConfig
+from tests.unit.mock.cli_runner import invoke
 
 FLAGS = {
     "--max-num-seqs": "STARGATE_MOCK_MAX_NUM_SEQS",
@@ -17,24 +16,6 @@ FLAGS = {
     "--kv-cache-tokens": "STARGATE_MOCK_KV_CACHE_TOKENS",
     "--engine-stats-stream": "STARGATE_MOCK_ENGINE_STATS_STREAM",
 }
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[MockBackendConfig]:
-    """The configs the command would serve; nothing binds and logging is left alone."""
-    configs: list[MockBackendConfig] = []
-
-    async def serve(config: MockBackendConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "_serve_until_signalled", serve)
-    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
-    return configs
-
-
-def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
-    return CliRunner().invoke(cli.mock_backend_command, list(args), env=env)
 
 
 def test_help_names_the_flags_and_their_environment_variables() -> None:

@@ -7,34 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from stargate.mock import cli
 from stargate.mock.app import MockBackendConfig
 from tests.unit.mock.asgi_client import backend, call
+from tests.unit.mock.cli_runner import invoke
 
 STREAM: dict[str, Any] = {
     "model": "mock-model",
     "messages": [{"role": "user", "content": "hi"}],
     "stream": True,
 }
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[MockBackendConfig]:
-    configs: list[MockBackendConfig] = []
-
-    async def serve(config: MockBackendConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "_serve_until_signalled", serve)
-    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
-    return configs
-
-
-def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
-    return CliRunner().invoke(cli.mock_backend_command, list(args), env=env)
 
 
 def test_the_flag_and_its_environment_variable_set_it(served: list[MockBackendConfig]) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import trio
 import zmq
-from click.testing import CliRunner
 
 from stargate.mock import cli
 from stargate.mock.app import MockBackend, MockBackendConfig
@@ -28,6 +27,7 @@ from stargate.protocol.kv_events import (
 )
 from stargate.serving import StartupError
 from tests.unit.mock.asgi_client import Client
+from tests.unit.mock.cli_runner import invoke
 
 PATH = "/v1/chat/completions"
 
@@ -246,23 +246,6 @@ async def test_the_server_binds_publishes_and_closes_the_publisher() -> None:
 
 
 # ---- the flags --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[MockBackendConfig]:
-    configs: list[MockBackendConfig] = []
-
-    async def serve(config: MockBackendConfig) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "_serve_until_signalled", serve)
-    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
-    return configs
-
-
-def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
-    return CliRunner().invoke(cli.mock_backend_command, list(args), env=env)
 
 
 def test_the_flags(served: list[MockBackendConfig]) -> None:
