@@ -8,7 +8,8 @@ CPU time, read per call with `time.thread_time_ns` (cores are shared: wall-clock
   100,000 distinct conversation keys (the issue's "100k tracked prefixes"; the balancer keeps no
   per-prefix state, so the figure is the same for any number), each with a group, under the
   replica's collector settings (stargate/gc_policy.py); p50 / p99 per decision. The issue's goal:
-  p99 <= 50 µs at 1,000 backends. Other processes on the machine inflate the tail (shared caches).
+  p99 <= 50 µs at 1,000 backends. Each decision is timed three times: once as it comes, and the
+  best of three, since the same decision costs the same work and the rest is interference.
 * Memory: what the balancer holds at 1,000 clusters (its multi-probe ring), from tracemalloc.
 * Derivation: `derive_prefix` of a chat body of about 4 KB (a system prompt and four turns) and of
   a 2 MB prompt (read only as far as the 16 KiB cap), p50 / p99.
@@ -38,6 +39,9 @@ TITLE = "prefix-aware: CPU per routing decision (4 to 1,000 clusters) and per ke
 FLEETS = (4, 64, 1000)
 GOAL_P99_US = 50.0
 GOAL_FLEET = 1000
+REPEATS = 3
+"""Every decision is timed this often: it is deterministic (the same inputs, the same work), so
+the best of the three is its cost and the spread above it is the machine's (shared cores)."""
 
 
 def _clusters(count: int, rng: random.Random) -> tuple[ClusterSnapshot, ...]:
@@ -57,14 +61,15 @@ def _clusters(count: int, rng: random.Random) -> tuple[ClusterSnapshot, ...]:
     )
 
 
-def _cpu_us(call: Callable[[], object], repeat: int) -> list[float]:
-    """Per-call thread CPU time in µs, sorted."""
+def _cpu_us(call: Callable[[], object], repeat: int, ordered: bool = True) -> list[float]:
+    """Per-call thread CPU time in µs, sorted (or in call order)."""
     samples = []
     for _ in range(repeat):
         started = time.thread_time_ns()
         call()
         samples.append((time.thread_time_ns() - started) / 1000)
-    samples.sort()
+    if ordered:
+        samples.sort()
     return samples
 
 
@@ -82,9 +87,22 @@ def _decisions(count: int, keys: list[str], rng: random.Random) -> dict[str, flo
     ]
     balancer.choose(clusters, requests[0], frozenset())  # the ring, built once per cluster set
     tune_for_serving()  # the replica's collector settings (stargate/gc_policy.py)
-    iterator = iter(requests)
-    samples = _cpu_us(lambda: balancer.choose(clusters, next(iterator), frozenset()), len(keys))
-    return {"p50_us": percentile(samples, 0.5), "p99_us": percentile(samples, 0.99)}
+
+    def timed() -> list[float]:
+        iterator = iter(requests)
+        return _cpu_us(
+            lambda: balancer.choose(clusters, next(iterator), frozenset()), len(keys), False
+        )
+
+    rounds = [timed() for _ in range(REPEATS)]
+    first = sorted(rounds[0])
+    best = sorted(min(times) for times in zip(*rounds, strict=True))
+    return {
+        "p50_us": percentile(first, 0.5),
+        "p99_us": percentile(first, 0.99),
+        "best_p50_us": percentile(best, 0.5),
+        "best_p99_us": percentile(best, 0.99),
+    }
 
 
 def _ring_bytes(count: int) -> int:
@@ -132,9 +150,16 @@ def run(suite: Suite) -> PartResult:
     ring = _ring_bytes(GOAL_FLEET)
     derivations = _derivations(200 if suite.quick else 2000)
     goal = decisions[GOAL_FLEET]["p99_us"]
+    best = decisions[GOAL_FLEET]["best_p99_us"]
     verdict = "met" if goal <= GOAL_P99_US else "missed"
     rows = [
-        [f"{count:,} clusters", num(d["p50_us"], 1), num(d["p99_us"], 1)]
+        [
+            f"{count:,} clusters",
+            num(d["p50_us"], 1),
+            num(d["p99_us"], 1),
+            num(d["best_p50_us"], 1),
+            num(d["best_p99_us"], 1),
+        ]
         for count, d in decisions.items()
     ]
     derive_rows = [
@@ -144,9 +169,11 @@ def run(suite: Suite) -> PartResult:
         [
             f"Decisions over {key_count:,} distinct conversation keys (each in one of 20 groups), "
             "CPU µs per `PrefixAware.choose`:",
-            md_table(["fleet", "p50 µs", "p99 µs"], rows),
+            md_table(["fleet", "p50 µs", "p99 µs", "best-of-3 p50 µs", "best-of-3 p99 µs"], rows),
             f"Goal: p99 <= {GOAL_P99_US:.0f} µs at {GOAL_FLEET:,} clusters: **{verdict}** "
-            f"({goal:.1f} µs). Memory held by the balancer at {GOAL_FLEET:,} clusters (its "
+            f"({goal:.1f} µs once; {best:.1f} µs as the best of {REPEATS} timings of each "
+            "decision, which is its cost without the machine's interference). "
+            f"Memory held by the balancer at {GOAL_FLEET:,} clusters (its "
             f"multi-probe ring): {ring / 1e6:.2f} MB; no per-prefix state.",
             "Key derivation, CPU µs per `derive_prefix` (block 256 bytes, depth 64):",
             md_table(["body", "p50 µs", "p99 µs"], derive_rows),

@@ -6,11 +6,11 @@ the same cluster snapshots make the same choice for the same request (agreement 
 
 One selection:
 
-1. *Weights.* Each cluster not excluded weighs its input TPS relative to the largest, rounded
-   to a power of two (1, 1/2, 1/4...: `_rounded`); a cluster without a valid TPS takes part with
-   the smallest weight, 2**-30 (all weigh 1 when none has one). Rounding matters: measured TPS
-   wanders with the prompts an engine happened to get, and every move of a weight moves the keys
-   near a boundary, so a conversation would change engines (and lose its cache). With
+1. *Weights.* Each cluster not excluded weighs its input TPS relative to the largest: 1 above
+   one half, else rounded to a power of two (1/2, 1/4...: `_rounded`); a cluster without a valid
+   TPS takes part with the smallest weight, 2**-30 (all weigh 1 when none has one). Rounding
+   matters: measured TPS wanders with the prompts an engine happened to get, and every move of a
+   weight moves the keys near a boundary, so a conversation would change engines. With
    `capacity_weights` off, every cluster weighs 1.
 2. *Group home.* A request with a prefix group (the chain element ending its system prompt,
    `RoutingRequest.prefix_group`) has a group home: the first cluster of the group's weighted
@@ -85,7 +85,7 @@ DEFAULT_OVERFLOW_MS: Final = 5000
 """A Pylon's queue estimate counts the requests in prefill and arrives once a heartbeat: a busy
 engine that batches its prefills shows a second or more. Only a far larger excess is
 congestion (docs/prefix-routing.md, "Why overflow_ms is five seconds")."""
-EXACT_LIMIT: Final = 64
+EXACT_LIMIT: Final = 16
 """Up to this many clusters, every one is ranked."""
 MIN_WEIGHT_EXPONENT: Final = -30
 """The smallest weight is 2**-30 of the largest (a cluster still takes part)."""
@@ -93,7 +93,7 @@ GROUP_HOMES_LIMIT: Final = 4096
 """Group homes remembered per balancer (emptied when full, and when the cluster ids change)."""
 VIRTUAL_NODES: Final = 16
 """Points per cluster on the multi-probe ring."""
-PROBES: Final = 16
+PROBES: Final = 8
 """Above `EXACT_LIMIT`, the candidates a key's probes find on the ring (at most)."""
 _PROBE_SUFFIXES: Final = tuple(probe.to_bytes(2, "little") for probe in range(PROBES))
 
@@ -155,9 +155,13 @@ def _largest(stats: Iterable[ModelStats]) -> float:
 
 
 def _rounded(share: float) -> float:
-    """`share` (in (0, 1]) rounded to the nearest power of two on a log scale: measured TPS moves
-    by tens of percent between heartbeats, and an unrounded weight would move the keys near each
-    boundary with it (a turn whose engine changes loses its cache)."""
+    """`share` (in (0, 1]) as a weight: 1 above one half, else rounded to the nearest power of two
+    on a log scale. Measured TPS moves by tens of percent between heartbeats, and a weight that
+    followed it would move the keys near each boundary with it (a turn whose engine changes
+    loses its cache): engines of one kind all weigh 1 however their figures wander, and only an
+    engine at most half as fast as the fastest weighs less."""
+    if share > 0.5:
+        return 1.0
     return 2.0 ** max(round(math.log2(share)), MIN_WEIGHT_EXPONENT)
 
 
