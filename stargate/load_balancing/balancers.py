@@ -110,12 +110,17 @@ class Choice:
     `backends` is the balancer's own order of the cluster's backends (prefix-aware: the first is
     the one whose cache should hold the request's prefix); empty for the cluster's round robin
     (docs/data-plane.md, Backend choice).
+
+    `queue_allowance_ms` is the queue delay the balancer accepted above its estimate to keep the
+    request where its cache is (prefix-aware): the forwarder adds it to the attempt's
+    `x-stargate-expected-queue-ms`, so the Pylon's queue check refuses only past it.
     """
 
     cluster: ClusterSnapshot
     rank_depth: int = 1
     after_kv_free_tokens_skip: bool = False
     backends: tuple[BackendSnapshot, ...] = ()
+    queue_allowance_ms: int = 0
 
 
 # ---- scores (docs/data-plane.md, Scores) ---------------------------------------------------------

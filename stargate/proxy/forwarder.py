@@ -446,7 +446,9 @@ class Forwarder:
             self._metrics.count_selection(spec.name, model, routing_key, selection)
             if choice.after_kv_free_tokens_skip:
                 self._metrics.count_kv_free_token_fallback(spec.name, model, routing_key)
-            outcome = await self._attempt_cluster(context, choice.cluster, choice.backends)
+            outcome = await self._attempt_cluster(
+                context, choice.cluster, choice.backends, choice.queue_allowance_ms
+            )
             if outcome is not None:
                 return outcome
             # None: the cluster failed for this request; choose again with it excluded.
@@ -515,17 +517,19 @@ class Forwarder:
         context: _RequestContext,
         cluster: ClusterSnapshot,
         preferred: tuple[BackendSnapshot, ...] = (),
+        allowance_ms: int = 0,
     ) -> Forwarded | LocalError | None:
         """Attempts on backends of one cluster until a final answer; None when the whole cluster
         failed for this request (the balancer then chooses again without it). `preferred`: the
-        balancer's order of the cluster's backends, else its round robin."""
+        balancer's order of the cluster's backends, else its round robin; `allowance_ms`: the
+        queue the balancer accepted on top of the estimate (`Choice.queue_allowance_ms`)."""
         state = context.attempts
         while True:
             backend = self._next_backend(context.plan.target, cluster, state, preferred)
             if backend is None:
                 state.failed_clusters.add(cluster.cluster_id)
                 return None
-            response, decision = await self._attempt(context, cluster, backend)
+            response, decision = await self._attempt(context, cluster, backend, allowance_ms)
             action = decision.action
             if action is Action.RESPOND:
                 assert response is not None  # only a response head is passed through
@@ -564,7 +568,11 @@ class Forwarder:
         )
 
     async def _attempt(
-        self, context: _RequestContext, cluster: ClusterSnapshot, backend: BackendSnapshot
+        self,
+        context: _RequestContext,
+        cluster: ClusterSnapshot,
+        backend: BackendSnapshot,
+        allowance_ms: int = 0,
     ) -> tuple[BackendResponse | None, Decision]:
         """One attempt (docs/data-plane.md, One attempt): reserve, send, wait for the head; the
         response head (None: there is none) and what the retry rules decided."""
@@ -587,7 +595,7 @@ class Forwarder:
         headers = (
             request.headers
             if state.queue_check_waived
-            else _attempt_headers(request.headers, cluster, request.priority)
+            else _attempt_headers(request.headers, cluster, request.priority, allowance_ms)
         )
         span: AttemptSpan | None = None
         if context.trace is not None:  # its context replaces the client's traceparent
@@ -736,9 +744,13 @@ def _backends_full(request: ProxyRequest) -> ContractError:
     )
 
 
-def _attempt_headers(headers: Headers, cluster: ClusterSnapshot, priority: int) -> Headers:
-    """The request's filtered headers plus this attempt's expected queue time, if known."""
+def _attempt_headers(
+    headers: Headers, cluster: ClusterSnapshot, priority: int, allowance_ms: int = 0
+) -> Headers:
+    """The request's filtered headers plus this attempt's expected queue time, if known, raised
+    by the queue the balancer accepted for the cache's sake (docs/prefix-routing.md, "The
+    Pylon's queue check"), so the Pylon refuses only past what the balancer tolerated."""
     estimate = expected_queue_ms(cluster, priority)
     if estimate is None:
         return headers
-    return [*headers, (b"x-stargate-expected-queue-ms", str(estimate).encode())]
+    return [*headers, (b"x-stargate-expected-queue-ms", str(estimate + allowance_ms).encode())]

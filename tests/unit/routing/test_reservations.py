@@ -475,3 +475,22 @@ async def test_mismatch_on_the_only_backend_is_released_then_resent_without_the_
     assert [queues["c"] for _, queues in pool.seen] == [1, 1]
     assert pool.expected == [b"0", None]
     assert _cluster(state).stats.queue_size == 1  # the resend's own, until the next heartbeat
+
+
+async def test_prefix_aware_raises_the_expected_queue_by_what_it_tolerated() -> None:
+    """prefix-aware accepts queue above its estimate to keep a request where its cache is; the
+    attempt's x-stargate-expected-queue-ms carries that allowance (the home: its prefill saving
+    plus overflow_ms), so the Pylon's check refuses only past it. Other balancers send the bare
+    estimate."""
+    state = RoutingState()
+    state.apply(
+        state.begin(_identity("a")), {"m": _route(last_mean_input_tps=100.0, queued_input_size=50)}
+    )
+    spec = AlgorithmSpec(name="prefix-aware", overflow_ms=700)
+    pool = _Pool(state, [_Response(200), _Response(200)])
+    forwarder = _forwarder(state, pool)
+    assert isinstance(await forwarder.forward(_request(), spec, b"{}"), Forwarded)
+    # The chosen snapshot's 50 queued tokens at 100 TPS: 500 ms; its 10 tokens save 100 ms.
+    assert pool.expected[-1] == b"1300"  # 500 + 100 + 700
+    assert isinstance(await forwarder.forward(_request(), AlgorithmSpec(), b"{}"), Forwarded)
+    assert pool.expected[-1] == b"600"  # power-of-n: the estimate alone (now with a reservation)
