@@ -29,8 +29,24 @@ true}`).
   every request they forward (the stats the balancers read are real); the benchmark's own probes
   (`x-routing-method: round-robin`, before the engines are reset) wait until every engine is
   routable through every replica. Algorithms: power-of-n, round-robin, pulsar (seed "bench"),
-  wait-and-widen (seed "bench", `cache_affinity_backend_selection_count` 1) and prefix-aware; an
-  algorithm this checkout's `create_balancer` does not know (yet) is skipped with a note.
+  wait-and-widen (seed "bench", `cache_affinity_backend_selection_count` 1), prefix-aware, and
+  prefix-aware in precise mode (below); an algorithm this checkout's `create_balancer` does not
+  know (yet) is skipped with a note.
+* stargate prefix-aware, precise (docs/prefix-routing.md, "Precise mode"): the same LB config,
+  but against four more engines, started for its first pass with the same settings plus
+  `--kv-events-endpoint tcp://127.0.0.1:<free port>` (one each), `--kv-events-block-bytes 64` and
+  `--kv-events-depth 256`: each publishes its cache's changes as vLLM's KV events, and its cache
+  is keyed by the router's prefix chain, so it holds 512 blocks of 64 *bytes of the router's
+  prompt stream* (the other engines' blocks are 64 *characters of the mock's rendering*: the same
+  framing, and for this ASCII trace the same length). Each Pylon follows its engine's events
+  (`--kv-events-endpoint`), the replicas derive the same chain (`--derive-affinity-key-block-bytes
+  64 --derive-affinity-key-depth 256`), and the balancer sees each engine's cached blocks
+  (`BackendSnapshot.kv_blocks`; step 4b promotes the engine holding the longest leading run of
+  the request's chain). Before handing the routers over, round-robin probes with new prompts of a
+  few blocks run until every replica's `/debug/routing` shows cached blocks (`kv_blocks` > 0) of
+  every engine (ZMQ's slow joiner misses what is published before the subscription is up); each
+  pass then resets the engines (which publishes AllBlocksCleared) and starts once every replica
+  shows 0 blocks for every engine. Whole prompt blocks there are the chain's length.
 * sglang-router (`python -m sglang_router.launch_router --worker-urls <the four engines> --policy
   cache_aware|round_robin`, 0.3.2 on PyPI; `nox -s bench` installs it), straight in front of the
   engines. At start it asks each worker for `GET /health`, then `/server_info`, `/get_server_info`,
@@ -40,22 +56,41 @@ true}`).
 
 **Measured per router**: the block hit rate (cached prompt blocks / whole prompt blocks, summed
 over the engines: from each answer's `x-mock-prefix-cache-hit-chars`; a prompt's whole blocks from
-the trace's own text, cross-checked against `x-mock-prefix-cache-prompt-chars`), TTFT p50/p99 at
+the trace's own text, cross-checked against `x-mock-prefix-cache-prompt-chars`; in precise mode
+from the router's chain of the request), TTFT p50/p99 at
 the client (request sent to the first `data:` event), turn stickiness (the share of turns k > 1
 served by the engine that served turn k-1 of the same conversation), each engine's share of the
 requests and max/min requests per engine. The bound: the block hit rate of one infinite cache
-seeing the whole trace (offline, `stargate.mock.prefix_cache`).
+seeing the whole trace (offline, `stargate.mock.prefix_cache`), also with precise mode's blocks
+(the mock's cache keyed by the router's chain).
 
-**Agreement across replicas** (prefix-aware and pulsar): the same pass runs through replica A and
-then, caches reset, through replica B (same config, separate processes, the same four Pylons
-registered with both): the share of requests routed to the same engine in both.
+**Agreement across replicas** (prefix-aware, its precise mode and pulsar): replica B runs beside
+replica A (same config, separate processes, the same four Pylons registered with both; the main
+table's row is A's pass alone). A further pass, the engines reset, sends every request of the trace
+to replica A (the measured request: its hit rate, TTFT and stickiness count as in any pass) and,
+started together with it from the same thread pool, a shadow copy to replica B: the same body with
+`"max_tokens": 1` (the same prompt, hence the same derived key and chain; only the answer is
+shorter). The turn is over once both have answered. Agreement is the share of requests whose shadow
+reached the engine that served A's request (both answered). A routing decision takes microseconds,
+and what the replicas decide on changes at the Pylons' messages (stats, and in precise mode the
+engines' KV events, a heartbeat after they happen), so both replicas decide on the same state; the
+send skew of each pair is measured. Agreement counts the engine that answered: a request a Pylon
+refuses (queue admission's retryable 429) ends on another engine than its replica chose, so both
+replicas' retries in that pass are reported beside it. The shadows perturb the pass: a disagreeing
+one puts the prompt into a second engine's cache, and they double the engines' requests, so that
+pass's hit rate and stickiness are reported apart from the main table. The mock looks a prompt up
+and stores its blocks when the request arrives, so of a pair on one engine the later arrival finds
+the whole prompt cached: A's block hit rate there counts the lesser of the pair's hits (what the
+earlier one found: the state before the pair), the raw figure beside it.
 
-**A slow engine** (prefix-aware and power-of-n): engine-3's TTFT and inter-token time four times
-the others' (`/test-control`), fresh replica and Pylons: each engine's share of the requests.
+**A slow engine** (prefix-aware, its precise mode and power-of-n): engine-3's TTFT and
+inter-token time four times the others' (`/test-control`), fresh replica and Pylons: each
+engine's share of the requests.
 
-The issue's goals (printed as pass/miss, a miss does not fail the run): prefix-aware's block hit
-rate at least sglang-router cache_aware's - 0.02, stickiness >= 0.95, max/min <= 1.3, the slow
-engine's share <= 0.15, agreement >= 0.99. Writes bench-results/affinity.{md,json,png}.
+The issue's goals, for prefix-aware and for its precise mode (printed as pass/MISS, a miss does
+not fail the run): block hit rate at least sglang-router cache_aware's - 0.02, stickiness >=
+0.95, max/min <= 1.3, the slow engine's share <= 0.15, agreement >= 0.99. Writes
+bench-results/affinity.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -73,6 +108,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,12 +150,32 @@ SLOW_ENGINE = ENGINE_IDS[-1]
 SEED = "bench"
 PYLON_STOP_SECONDS = 3.0
 
-STARGATE_ALGORITHMS = ("power-of-n", "round-robin", "pulsar", "wait-and-widen", "prefix-aware")
+PRECISE_SUFFIX = ", precise"
+PRECISE = "prefix-aware" + PRECISE_SUFFIX
+"""prefix-aware in precise mode: engines that publish KV events, Pylons that follow them."""
+KV_BLOCK_BYTES = 64
+"""Precise mode's block: bytes of the router's prompt stream (the mock's and the replica's)."""
+KV_DEPTH = 256
+"""Precise mode's chain depth: KV_BLOCK_BYTES x KV_DEPTH = 16 KiB of a prompt, more than the
+longest of the trace's."""
+KV_EVENTS_TIMEOUT = 30.0
+"""How long the engines' first KV events may take to reach every replica."""
+CHAT_PATH = "/v1/chat/completions"
+
+STARGATE_ALGORITHMS = (
+    "power-of-n",
+    "round-robin",
+    "pulsar",
+    "wait-and-widen",
+    "prefix-aware",
+    PRECISE,
+)
 SGLANG_POLICIES = ("cache_aware", "round_robin")
 SGLANG_VERSION = "0.3.2"
-AGREEMENT_ALGORITHMS = ("prefix-aware", "pulsar")
-SLOW_ALGORITHMS = ("prefix-aware", "power-of-n")
+AGREEMENT_ALGORITHMS = ("prefix-aware", PRECISE, "pulsar")
+SLOW_ALGORITHMS = ("prefix-aware", PRECISE, "power-of-n")
 GOAL_ALGORITHM = "prefix-aware"
+GOAL_ALGORITHMS = (GOAL_ALGORITHM, PRECISE)
 GOAL_HIT_MARGIN = 0.02
 GOAL_STICKINESS = 0.95
 GOAL_MAX_MIN = 1.3
@@ -136,7 +192,22 @@ DEFINITIONS: dict[str, tuple[str | dict[str, Any], ...]] = {
     # Its settings are not known here yet: with the common seed if it takes one, else bare.
     "prefix-aware": ({"algorithm": "prefix-aware", "seed": SEED}, "prefix-aware"),
 }
-"""Each algorithm's LB-config entry for the model, the first of the candidates that parses."""
+"""Each algorithm's LB-config entry for the model, the first of the candidates that parses (a
+precise variant takes its algorithm's: precise mode is the engines', Pylons' and replicas' flags,
+not a setting of the balancer)."""
+
+
+def split_variant(name: str) -> tuple[str, bool]:
+    """(the algorithm, whether precise) of a pass's algorithm name ("prefix-aware, precise")."""
+    if name.endswith(PRECISE_SUFFIX):
+        return name[: -len(PRECISE_SUFFIX)], True
+    return name, False
+
+
+def slug(name: str) -> str:
+    """`name` as a directory name ("prefix-aware-precise")."""
+    return name.replace(", ", "-").replace(" ", "-")
+
 
 HIT_CHARS_HEADER = "x-mock-prefix-cache-hit-chars"
 PROMPT_CHARS_HEADER = "x-mock-prefix-cache-prompt-chars"
@@ -245,21 +316,55 @@ def prompt_text(conversation: Conversation, turn: int) -> str:
     return chat_cache_text({"messages": conversation.messages(turn)})
 
 
-def infinite_cache_bound(trace: Trace) -> float:
-    """The block hit rate of one infinite cache seeing every request of the trace (the mock's
-    lookup: leading whole blocks until the first miss). Every order a run can take gives the same
-    figure: a turn's text extends its previous turn's, and of a system prompt only its first
-    conversation's first turn misses, whichever conversation that is."""
-    from stargate.mock.prefix_cache import PrefixCache
+def router_chain(conversation: Conversation, turn: int) -> tuple[int, ...]:
+    """The blocks of a turn in precise mode: the router's prefix chain of its request body
+    (KV_BLOCK_BYTES bytes of the router's prompt stream each), which is what an engine started
+    with `--kv-events-endpoint` keys its cache by, and what it publishes."""
+    from stargate.prefix_key import derive_prefix
 
-    texts = [
-        prompt_text(conversation, turn)
+    body = json.dumps(chat_body(conversation, turn)).encode()
+    derived = derive_prefix(CHAT_PATH, body, KV_BLOCK_BYTES, KV_DEPTH)
+    return () if derived is None else derived.chain
+
+
+def prompt_blocks(trace: Trace, precise: bool = False) -> dict[tuple[int, int], int]:
+    """Each request's whole prompt blocks, by (conversation, turn): of the mock's text in
+    BLOCK_CHARS characters, or (precise) the length of the router's chain."""
+    return {
+        (c.index, t): len(router_chain(c, t)) if precise else len(prompt_text(c, t)) // BLOCK_CHARS
+        for c in trace.conversations
+        for t in range(len(c.turns))
+    }
+
+
+def infinite_cache_bound(trace: Trace, precise: bool = False) -> float:
+    """The block hit rate of one infinite cache seeing every request of the trace (the mock's
+    lookup: leading whole blocks until the first miss); with `precise`, the mock's cache keyed by
+    the router's chain, as in precise mode. Every order a run can take gives the same figure: a
+    turn's text extends its previous turn's, and of a system prompt only its first conversation's
+    first turn misses, whichever conversation that is."""
+    from stargate.mock.prefix_cache import Lookup, PrefixCache
+
+    requests = [
+        (conversation, turn)
         for conversation in trace.conversations
         for turn in range(len(conversation.turns))
     ]
-    whole = sum(len(text) // BLOCK_CHARS for text in texts)
-    cache = PrefixCache(max(1, whole), BLOCK_CHARS)
-    hits = sum(cache.lookup_and_insert(text).hit_blocks for text in texts)
+    chains = [router_chain(c, t) for c, t in requests] if precise else []
+    texts = [prompt_text(c, t) for c, t in requests]
+    whole = (
+        sum(len(chain) for chain in chains)
+        if precise
+        else sum(len(text) // BLOCK_CHARS for text in texts)
+    )
+    cache = PrefixCache(max(1, whole), KV_BLOCK_BYTES if precise else BLOCK_CHARS)
+
+    def lookup(index: int) -> Lookup:
+        if precise:
+            return cache.lookup_and_insert_chain(chains[index], len(texts[index]))
+        return cache.lookup_and_insert(texts[index])
+
+    hits = sum(lookup(index).hit_blocks for index in range(len(requests)))
     return hits / whole if whole else math.nan
 
 
@@ -283,6 +388,10 @@ class Outcome:
     """Whole blocks of the trace's own prompt text."""
     done: bool = False
     error: str = ""
+    sent: float = math.nan
+    """When the request was sent (`time.monotonic()`)."""
+    shadow: Outcome | None = None
+    """In a paired pass, the shadow copy of this request sent to replica B."""
 
     @property
     def ok(self) -> bool:
@@ -302,16 +411,32 @@ def chat_body(conversation: Conversation, turn: int) -> dict[str, Any]:
     }
 
 
+def shadow_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The shadow copy of a request's `body` sent to replica B: the same model, messages and
+    `stream`, with `"max_tokens": 1` (the same prompt, hence the same derived key and chain)."""
+    return {**body, "max_tokens": 1}
+
+
 def _one_request(
-    client: Any, url: str, conversation: Conversation, turn: int, user: int, blocks: int
+    client: Any,
+    url: str,
+    conversation: Conversation,
+    turn: int,
+    user: int,
+    blocks: int,
+    shadow: bool = False,
 ) -> Outcome:
-    """A plain OpenAI client's streaming chat request: the body, and no `x-*` header."""
+    """A plain OpenAI client's streaming chat request: the body, and no `x-*` header; with
+    `shadow`, the request's shadow copy (`shadow_body`)."""
     import httpx
 
+    body = chat_body(conversation, turn)
+    if shadow:
+        body = shadow_body(body)
     outcome = Outcome(conversation.index, turn, user, prompt_blocks=blocks)
-    began = time.monotonic()
+    began = outcome.sent = time.monotonic()
     try:
-        with client.stream("POST", url, json=chat_body(conversation, turn)) as response:
+        with client.stream("POST", url, json=body) as response:
             outcome.status = response.status_code
             headers = response.headers
             outcome.engine = headers.get(ENGINE_HEADER) or headers.get(SERVER_HEADER, "")
@@ -329,27 +454,53 @@ def _one_request(
     return outcome
 
 
-def replay(base: str, trace: Trace, users: int, deadline: Deadline) -> tuple[list[Outcome], bool]:
+def replay(
+    base: str,
+    trace: Trace,
+    users: int,
+    deadline: Deadline,
+    blocks: dict[tuple[int, int], int] | None = None,
+    shadow_base: str | None = None,
+) -> tuple[list[Outcome], bool]:
     """One pass: `users` threads, each taking the next conversation from a shared queue and
     playing its turns in order (a turn starts when the previous one completed); (every outcome,
-    whether the whole trace fitted in the time budget)."""
+    whether the whole trace fitted in the time budget). `blocks`: each request's whole prompt
+    blocks (default: the mock's text, `prompt_blocks`).
+
+    With `shadow_base` (replica B), a paired pass: each request is submitted to a thread pool
+    together with its shadow copy to `shadow_base` (`shadow_body`), and the turn is over once
+    both have answered; each outcome carries its shadow's (`Outcome.shadow`)."""
     import httpx
 
     pending: queue.Queue[Conversation] = queue.Queue()
     for conversation in trace.conversations:
         pending.put(conversation)
-    blocks = {
-        (c.index, t): len(prompt_text(c, t)) // BLOCK_CHARS
-        for c in trace.conversations
-        for t in range(len(c.turns))
-    }
+    if blocks is None:
+        blocks = prompt_blocks(trace)
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     cut = threading.Event()
-    url = f"{base}/v1/chat/completions"
-    limits = httpx.Limits(max_connections=users * 2, max_keepalive_connections=users * 2)
+    url = f"{base}{CHAT_PATH}"
+    shadow_url = f"{shadow_base}{CHAT_PATH}" if shadow_base is not None else None
+    connections = users * (4 if shadow_url is not None else 2)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     timeout = httpx.Timeout(60.0, connect=10.0)
-    with httpx.Client(trust_env=False, timeout=timeout, limits=limits) as client:
+    with (
+        httpx.Client(trust_env=False, timeout=timeout, limits=limits) as client,
+        ThreadPoolExecutor(2 * users) as pool,  # its threads start with a paired pass's pairs
+    ):
+
+        def request(conversation: Conversation, turn: int, user: int) -> Outcome:
+            whole = blocks[(conversation.index, turn)]
+            if shadow_url is None:
+                return _one_request(client, url, conversation, turn, user, whole)
+            measured = pool.submit(_one_request, client, url, conversation, turn, user, whole)
+            shadow = pool.submit(
+                _one_request, client, shadow_url, conversation, turn, user, whole, shadow=True
+            )
+            outcome = measured.result()
+            outcome.shadow = shadow.result()
+            return outcome
 
         def play(user: int) -> None:
             while True:
@@ -361,9 +512,7 @@ def replay(base: str, trace: Trace, users: int, deadline: Deadline) -> tuple[lis
                 except queue.Empty:
                     return
                 for turn in range(len(conversation.turns)):
-                    outcome = _one_request(
-                        client, url, conversation, turn, user, blocks[(conversation.index, turn)]
-                    )
+                    outcome = request(conversation, turn, user)
                     with lock:
                         outcomes.append(outcome)
 
@@ -396,15 +545,51 @@ def stickiness(outcomes: Sequence[Outcome]) -> float:
     return sum(1 for a, b in pairs if a == b) / len(pairs) if pairs else math.nan
 
 
-def agreement(first: Sequence[Outcome], second: Sequence[Outcome]) -> tuple[float, int]:
-    """The share of requests (conversation, turn) answered in both passes by the same engine;
-    and how many were compared."""
-    a = {(o.conversation, o.turn): o.engine for o in first if o.ok and o.engine}
-    b = {(o.conversation, o.turn): o.engine for o in second if o.ok and o.engine}
-    both = a.keys() & b.keys()
-    if not both:
+def _answered_pairs(outcomes: Sequence[Outcome]) -> list[tuple[Outcome, Outcome]]:
+    """(request, its shadow) of a paired pass where both were answered and named an engine."""
+    return [
+        (o, o.shadow)
+        for o in outcomes
+        if o.ok and o.engine and o.shadow is not None and o.shadow.ok and o.shadow.engine
+    ]
+
+
+def agreement(outcomes: Sequence[Outcome]) -> tuple[float, int]:
+    """Of a paired pass's requests answered together with their shadow, the share whose shadow
+    reached the same engine (through replica B) as the request (through replica A); and how
+    many were compared."""
+    pairs = _answered_pairs(outcomes)
+    if not pairs:
         return math.nan, 0
-    return sum(1 for key in both if a[key] == b[key]) / len(both), len(both)
+    return sum(1 for a, b in pairs if a.engine == b.engine) / len(pairs), len(pairs)
+
+
+def unshadowed_block_hit_rate(outcomes: Sequence[Outcome]) -> float:
+    """A paired pass's block hit rate without the race of a request and its own shadow: the
+    mock stores a prompt's blocks when it arrives, so of a pair on one engine the later arrival
+    finds the whole prompt cached; such a request counts the lesser of the two hits (the
+    earlier arrival's: the cache before the pair). Otherwise as `block_hit_rate`."""
+    good = [o for o in outcomes if o.ok]
+    whole = sum(o.prompt_blocks for o in good)
+    if not whole:
+        return math.nan
+    hits = 0
+    for o in good:
+        shadow = o.shadow
+        if shadow is not None and shadow.status == 200 and shadow.engine == o.engine:
+            hits += min(o.hit_blocks, shadow.hit_blocks)
+        else:
+            hits += o.hit_blocks
+    return hits / whole
+
+
+def send_skews_ms(outcomes: Sequence[Outcome]) -> list[float]:
+    """|sent(request) - sent(its shadow)| in milliseconds, sorted, for every pair sent."""
+    return sorted(
+        abs(o.sent - o.shadow.sent) * 1000
+        for o in outcomes
+        if o.shadow is not None and not math.isnan(o.sent) and not math.isnan(o.shadow.sent)
+    )
 
 
 def per_engine(outcomes: Sequence[Outcome]) -> dict[str, int]:
@@ -491,30 +676,58 @@ def summarise(
 # ---- the engines --------------------------------------------------------------------------------
 
 
-def start_engines(procs: Processes, log_dir: Path, deadline: Deadline) -> list[str]:
+def engine_command(engine: str, kv_endpoint: str | None = None) -> list[str]:
+    """The mock engine `engine`; with `kv_endpoint` (precise mode), publishing its cache's KV
+    events there, its cache keyed by the router's chain (KV_BLOCK_BYTES, KV_DEPTH)."""
+    flags = [
+        "--ttft-ms",
+        f"{TTFT_MS:g}",
+        "--inter-token-ms",
+        f"{INTER_TOKEN_MS:g}",
+        "--tokens",
+        str(TOKENS),
+        "--prefix-cache-blocks",
+        str(CACHE_BLOCKS),
+        "--prefix-cache-block-chars",
+        str(BLOCK_CHARS),
+        "--prefix-cache-speedup",
+        f"{SPEEDUP:g}",
+        "--engine-id",
+        engine,
+    ]
+    if kv_endpoint is not None:
+        flags += [
+            "--kv-events-endpoint",
+            kv_endpoint,
+            "--kv-events-block-bytes",
+            str(KV_BLOCK_BYTES),
+            "--kv-events-depth",
+            str(KV_DEPTH),
+        ]
+    return mock_backend_command(MODEL, *flags)
+
+
+def kv_endpoints() -> list[str]:
+    """A KV-event endpoint per engine, on loopback ports free a moment ago."""
+    return [f"tcp://127.0.0.1:{port}" for port in free_ports(ENGINES)]
+
+
+def start_engines(
+    procs: Processes,
+    log_dir: Path,
+    deadline: Deadline,
+    endpoints: Sequence[str] | None = None,
+) -> list[str]:
+    """The four engines' URLs; with `endpoints` (one per engine), engines in precise mode."""
     urls: list[str] = []
-    for engine in ENGINE_IDS:
+    for index, engine in enumerate(ENGINE_IDS):
+        endpoint = endpoints[index] if endpoints is not None else None
+        name = engine if endpoint is None else f"{engine}-precise"
         _, port = start_printing_server(
             procs,
-            mock_backend_command(
-                MODEL,
-                "--ttft-ms",
-                f"{TTFT_MS:g}",
-                "--inter-token-ms",
-                f"{INTER_TOKEN_MS:g}",
-                "--tokens",
-                str(TOKENS),
-                "--prefix-cache-blocks",
-                str(CACHE_BLOCKS),
-                "--prefix-cache-block-chars",
-                str(BLOCK_CHARS),
-                "--prefix-cache-speedup",
-                f"{SPEEDUP:g}",
-                "--engine-id",
-                engine,
-            ),
-            log_dir / f"{engine}.log",
-            f"the mock {engine}",
+            engine_command(engine, endpoint),
+            log_dir / f"{name}.log",
+            f"the mock {name}",
             deadline.left(30),
         )
         urls.append(f"http://127.0.0.1:{port}")
@@ -562,9 +775,10 @@ def engine_lookups(urls: Sequence[str]) -> dict[str, int]:
 
 def lb_config(algorithm: str, definition: str | dict[str, Any]) -> dict[str, Any]:
     """The replica's LB config: `definition` is the model's algorithm (what a plain client gets);
-    round-robin may be asked for by header, which only the benchmark's own probes do."""
+    round-robin may be asked for by header, which only the benchmark's own probes do. A precise
+    variant's config is its algorithm's."""
     return {
-        "default": algorithm,
+        "default": split_variant(algorithm)[0],
         "request_algorithms": {"round-robin": "round-robin"},
         "models": {MODEL: definition},
     }
@@ -574,7 +788,7 @@ def stargate_definition(algorithm: str) -> tuple[str | dict[str, Any] | None, st
     """The first LB-config entry for `algorithm` that this checkout parses and builds a balancer
     for (`create_balancer`); (None, why) when none does."""
     reason = f"no definition for {algorithm}"
-    for candidate in DEFINITIONS.get(algorithm, ()):
+    for candidate in DEFINITIONS.get(split_variant(algorithm)[0], ()):
         try:
             from stargate.load_balancing.config import parse_lb_config, resolve
             from stargate.load_balancing.registry import create_balancer
@@ -600,6 +814,33 @@ class StargateRouters:
         return [replica.base for replica in self.replicas]
 
 
+def replica_args(config_path: Path, precise: bool = False) -> list[str]:
+    """A replica's flags: plain OpenAI clients, derived keys, the LB config; in precise mode the
+    chain the engines key their caches by (KV_BLOCK_BYTES, KV_DEPTH)."""
+    args = [
+        "--accept-openai-requests",
+        "--derive-affinity-key",
+        f"--lb-config-path={config_path}",
+    ]
+    if precise:
+        args += [
+            "--derive-affinity-key-block-bytes",
+            str(KV_BLOCK_BYTES),
+            "--derive-affinity-key-depth",
+            str(KV_DEPTH),
+        ]
+    return args
+
+
+def pylon_args(seeds: Sequence[str], kv_endpoint: str | None = None) -> tuple[str, ...]:
+    """A Pylon's flags besides its engine and first replica: canaries off, the other replicas
+    (`seeds`: `--stargate HOST:PORT` pairs), and in precise mode its engine's KV events."""
+    args = ("--canary-interval-ms", "0", *seeds)
+    if kv_endpoint is not None:
+        args += ("--kv-events-endpoint", kv_endpoint)
+    return args
+
+
 @contextlib.contextmanager
 def stargate_routers(
     procs: Processes,
@@ -609,7 +850,11 @@ def stargate_routers(
     replicas: int,
     urls: Sequence[str],
     deadline: Deadline,
+    endpoints: Sequence[str] | None = None,
 ) -> Iterator[StargateRouters]:
+    """With `endpoints` (the engines' KV-event endpoints, one per engine: precise mode), each
+    Pylon follows its engine's, and the routers are handed over once every replica has heard
+    from every engine (`wait_kv_events`)."""
     from benchmarks.routing import RouterInfo, start_pylon
 
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -624,18 +869,14 @@ def stargate_routers(
                     log_dir,
                     f"replica-{letter}",
                     deadline,
-                    extra_args=[
-                        "--accept-openai-requests",
-                        "--derive-affinity-key",
-                        f"--lb-config-path={config_path}",
-                    ],
+                    extra_args=replica_args(config_path, endpoints is not None),
                 )
             )
         info = RouterInfo(server_python(), False, frozenset({"--http-listen-addr"}))
         seeds: list[str] = []
         for replica in routers.replicas[1:]:
             seeds += ["--stargate", f"127.0.0.1:{replica.grpc}"]
-        for engine, url in zip(ENGINE_IDS, urls, strict=True):
+        for index, (engine, url) in enumerate(zip(ENGINE_IDS, urls, strict=True)):
             pylon = start_pylon(
                 procs,
                 info,
@@ -644,11 +885,13 @@ def stargate_routers(
                 url,
                 routers.replicas[0].grpc,
                 log_level="warning",
-                extra_args=("--canary-interval-ms", "0", *seeds),
+                extra_args=pylon_args(seeds, endpoints[index] if endpoints else None),
             )
             routers.pylons.append(pylon.process)
         for replica in routers.replicas:
             wait_routable(replica, deadline, log_dir)
+        if endpoints is not None:
+            wait_kv_events(routers.replicas, deadline, log_dir)
         yield routers
     finally:
         # The Pylons before the replicas (no health probe of a gone Pylon), all at once: a Pylon
@@ -687,6 +930,98 @@ def wait_routable(replica: Replica, deadline: Deadline, log_dir: Path) -> None:
                 f"{path.name}:\n{log_tail(path, 6)}" for path in sorted(log_dir.glob("pylon-*.log"))
             )
             raise BenchError(f"{error}\nseen: {sorted(seen)}\n{tails}") from None
+
+
+def kv_block_counts(debug_routing: dict[str, Any]) -> dict[str, int]:
+    """Backend id -> the count of cached blocks (`kv_blocks`) a replica's `/debug/routing`
+    shows for MODEL."""
+    return {
+        backend["inference_server_id"]: int(backend.get("kv_blocks", 0))
+        for target in debug_routing.get("targets", ())
+        if target.get("model_id") == MODEL
+        for cluster in target.get("clusters", ())
+        for backend in cluster.get("backends", ())
+    }
+
+
+def every_engine_has(counts: dict[str, int], blocks: str) -> bool:
+    """Whether `counts` (`kv_block_counts`) names every engine with some cached blocks
+    (`blocks` "some") or none at all ("none")."""
+    if not set(ENGINE_IDS) <= counts.keys():
+        return False
+    if blocks == "some":
+        return all(counts[engine] > 0 for engine in ENGINE_IDS)
+    return all(counts[engine] == 0 for engine in ENGINE_IDS)
+
+
+def _counts(client: Any, replicas: Sequence[Replica]) -> list[dict[str, int]]:
+    return [kv_block_counts(client.get(f"{r.base}/debug/routing").json()) for r in replicas]
+
+
+def wait_kv_events(replicas: Sequence[Replica], deadline: Deadline, log_dir: Path) -> None:
+    """Until every replica knows cached blocks of every engine: the engines' KV events reach the
+    replicas through the Pylons. A subscriber misses what was published before its subscription
+    was up (ZMQ's slow joiner) and an engine publishes a prompt's blocks only once, so round-robin
+    probes through the first replica send a new prompt of a few blocks each time (the probe's own
+    header; the pass resets the engines afterwards)."""
+    import httpx
+
+    sent = 0
+    seen: list[dict[str, int]] = []
+    headers = {"x-routing-method": "round-robin"}
+
+    def known() -> bool:
+        nonlocal sent
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"kv events {sent}: " + "warm up " * 40}],
+            "max_tokens": 1,
+        }
+        sent += 1
+        client.post(f"{replicas[0].base}{CHAT_PATH}", json=body, headers=headers)
+        seen[:] = _counts(client, replicas)
+        return all(every_engine_has(counts, "some") for counts in seen)
+
+    with httpx.Client(trust_env=False, timeout=10) as client:
+        try:
+            wait_until(
+                known,
+                deadline.left(KV_EVENTS_TIMEOUT),
+                "every engine's KV events on every replica",
+                replicas[0].process,
+                replicas[0].log_path,
+            )
+        except BenchError as error:
+            tails = "\n".join(
+                f"{path.name}:\n{log_tail(path, 6)}" for path in sorted(log_dir.glob("pylon-*.log"))
+            )
+            raise BenchError(
+                f"{error}\nkv_blocks per replica after {sent} probes: {seen}\n{tails}"
+            ) from None
+
+
+def wait_kv_cleared(replicas: Sequence[Replica], deadline: Deadline) -> None:
+    """Until every replica shows no cached block of any engine (after a reset of the engines,
+    whose AllBlocksCleared reaches the replicas at the Pylons' next heartbeat)."""
+    import httpx
+
+    seen: list[dict[str, int]] = []
+
+    def cleared() -> bool:
+        seen[:] = _counts(client, replicas)
+        return all(every_engine_has(counts, "none") for counts in seen)
+
+    with httpx.Client(trust_env=False, timeout=10) as client:
+        try:
+            wait_until(
+                cleared,
+                deadline.left(KV_EVENTS_TIMEOUT),
+                "the engines' reset on every replica",
+                replicas[0].process,
+                replicas[0].log_path,
+            )
+        except BenchError as error:
+            raise BenchError(f"{error}\nkv_blocks per replica: {seen}") from None
 
 
 def sglang_router_available() -> str:
@@ -763,11 +1098,23 @@ def sglang_router(
 
 @dataclass
 class Agreement:
+    """A paired pass: every request through replica A, its shadow through replica B."""
+
     algorithm: str
     same_engine: float = math.nan
+    """The agreement: the share of compared requests whose shadow reached A's engine."""
     compared: int = 0
-    first: PassResult | None = None
-    second: PassResult | None = None
+    block_hit_rate: float = math.nan
+    """A's, without the race of a request and its own shadow (`unshadowed_block_hit_rate`)."""
+    paired: PassResult | None = None
+    """A's requests of the paired pass (its block hit rate the raw one)."""
+    shadows_failed: int = 0
+    skew_p50_ms: float = math.nan
+    skew_max_ms: float = math.nan
+    """The send skew of a request and its shadow (`send_skews_ms`)."""
+    retries_b: dict[str, int] = field(default_factory=dict)
+    """Replica B's retries during the pass, by reason (A's are the paired pass's `retries`): a
+    retried request or shadow ends on another engine than its replica chose."""
 
 
 @dataclass
@@ -790,6 +1137,17 @@ class Run:
     skipped: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     bound: float = math.nan
+    precise_bound: float = math.nan
+    """The bound with precise mode's blocks (the mock's cache keyed by the router's chain)."""
+
+
+def retries_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """A replica's retries by reason between two reads of its counters (`retries_by_reason`)."""
+    return {
+        reason: round(count - before.get(reason, 0.0))
+        for reason, count in sorted(after.items())
+        if count > before.get(reason, 0.0)
+    }
 
 
 class Bench:
@@ -811,12 +1169,29 @@ class Bench:
         self.settings = settings
         self.deadline = deadline
         self.urls: list[str] = []
+        self.precise_urls: list[str] = []
+        """The engines of precise mode (started with its first pass)."""
+        self.endpoints: list[str] = []
+        """Their KV-event endpoints."""
         self.run = Run()
         self.chars = {
             (c.index, t): len(prompt_text(c, t))
             for c in trace.conversations
             for t in range(len(c.turns))
         }
+        self.blocks = prompt_blocks(trace)
+        self.precise_blocks = prompt_blocks(trace, precise=True)
+
+    def engines(self, precise: bool) -> tuple[list[str], list[str] | None]:
+        """(the engines' URLs, their KV-event endpoints or None) for a pass; precise mode's
+        engines are started the first time they are asked for."""
+        if not precise:
+            return self.urls, None
+        if not self.precise_urls:
+            endpoints = kv_endpoints()
+            self.precise_urls = start_engines(self.procs, self.log_dir, self.deadline, endpoints)
+            self.endpoints = endpoints
+        return self.precise_urls, self.endpoints
 
     def one_pass(
         self,
@@ -827,15 +1202,31 @@ class Bench:
         *,
         slow: bool = False,
         replica: Replica | None = None,
+        precise: Sequence[Replica] = (),
+        shadow_base: str | None = None,
     ) -> tuple[PassResult, list[Outcome]]:
         """One pass through `base`; with `replica` (the one behind `base`), its retries during
-        the pass by reason (a retried request may end on another engine)."""
+        the pass by reason (a retried request may end on another engine). With `precise` (every
+        replica of the pass's routers), the pass is in precise mode: precise mode's engines and
+        blocks, and it starts once the engines' reset has reached every replica. With
+        `shadow_base`, a paired pass (`replay`): the result is of the requests through `base`,
+        each outcome carries its shadow's."""
         from benchmarks.routing import retries_by_reason
 
-        reset_engines(self.urls, slow)
+        urls = self.precise_urls if precise else self.urls
+        reset_engines(urls, slow)
+        if precise:
+            wait_kv_cleared(precise, self.deadline)
         retries_before = retries_by_reason(replica) if replica is not None else {}
         started = time.monotonic()
-        outcomes, complete = replay(base, self.trace, self.settings.users, self.deadline)
+        outcomes, complete = replay(
+            base,
+            self.trace,
+            self.settings.users,
+            self.deadline,
+            self.precise_blocks if precise else self.blocks,
+            shadow_base,
+        )
         wall = time.monotonic() - started
         retries_after = retries_by_reason(replica) if replica is not None else {}
         result = summarise(
@@ -845,14 +1236,10 @@ class Bench:
             outcomes,
             wall,
             complete,
-            engine_lookups(self.urls),
+            engine_lookups(urls),
             self.chars,
         )
-        result.retries = {
-            reason: round(count - retries_before.get(reason, 0.0))
-            for reason, count in sorted(retries_after.items())
-            if count > retries_before.get(reason, 0.0)
-        }
+        result.retries = retries_delta(retries_before, retries_after)
         self._check(result)
         shares = " ".join(f"{num(result.shares.get(e, 0) * 100)}" for e in ENGINE_IDS)
         print(
@@ -901,31 +1288,74 @@ class Bench:
         if not self.has_time(label, 20):
             return
         replicas = 2 if algorithm in AGREEMENT_ALGORITHMS else 1
-        log_dir = self.log_dir / algorithm
+        precise = split_variant(algorithm)[1]
+        urls, endpoints = self.engines(precise)
         with stargate_routers(
-            self.procs, log_dir, algorithm, definition, replicas, self.urls, self.deadline
+            self.procs,
+            self.log_dir / slug(algorithm),
+            algorithm,
+            definition,
+            replicas,
+            urls,
+            self.deadline,
+            endpoints,
         ) as routers:
             replica = routers.replicas[0]
+            watched = routers.replicas if precise else []
             with self.profiler.record(replica.pid, 120, f"the {algorithm} pass"):
-                first, first_outcomes = self.one_pass(
-                    replica.base, label, "stargate", algorithm, replica=replica
+                first, _ = self.one_pass(
+                    replica.base, label, "stargate", algorithm, replica=replica, precise=watched
                 )
             self.run.passes.append(first)
-            if replicas == 2 and self.has_time(f"{label}, replica B", 20):
-                second, second_outcomes = self.one_pass(
-                    routers.bases[1],
-                    f"{label} (replica B)",
-                    "stargate",
-                    algorithm,
-                    replica=routers.replicas[1],
-                )
-                same, compared = agreement(first_outcomes, second_outcomes)
-                self.run.agreements.append(Agreement(algorithm, same, compared, first, second))
-                print(
-                    f"  {label}: {num(same * 100, 1)} % of {compared} requests on the same engine "
-                    "through replicas A and B",
-                    file=sys.stderr,
-                )
+            if replicas == 2 and self.has_time(f"{label}, paired with replica B", 20):
+                self.run.agreements.append(self.paired(routers, label, algorithm, watched))
+
+    def paired(
+        self, routers: StargateRouters, label: str, algorithm: str, watched: Sequence[Replica]
+    ) -> Agreement:
+        """The paired pass: every request through replica A, its shadow through replica B."""
+        from benchmarks.routing import retries_by_reason
+
+        before = retries_by_reason(routers.replicas[1])
+        paired, outcomes = self.one_pass(
+            routers.bases[0],
+            f"{label}, paired",
+            "stargate",
+            algorithm,
+            replica=routers.replicas[0],
+            precise=watched,
+            shadow_base=routers.bases[1],
+        )
+        after = retries_by_reason(routers.replicas[1])
+        same, compared = agreement(outcomes)
+        skews = send_skews_ms(outcomes)
+        shadows = [o.shadow for o in outcomes if o.shadow is not None]
+        failed = [s for s in shadows if not s.ok]
+        result = Agreement(
+            algorithm,
+            same,
+            compared,
+            unshadowed_block_hit_rate(outcomes),
+            paired,
+            len(failed),
+            percentile(skews, 0.5),
+            skews[-1] if skews else math.nan,
+            retries_delta(before, after),
+        )
+        if failed:
+            self.run.problems.append(
+                f"{label}, paired: {len(failed)} shadows through replica B failed (first: status "
+                f"{failed[0].status} {failed[0].error or '(no [DONE])'})"[:400]
+            )
+        print(
+            f"  {label}: {num(same * 100, 1)} % of {compared} requests' shadows through replica B "
+            f"on replica A's engine; A's blocks hit {num(result.block_hit_rate * 100, 1)} % "
+            f"(raw {num(paired.block_hit_rate * 100, 1)} %); send skew p50 "
+            f"{num(result.skew_p50_ms, 1)} max {num(result.skew_max_ms, 1)} ms; replica retries "
+            f"A {paired.retries or 0}, B {result.retries_b or 0}",
+            file=sys.stderr,
+        )
+        return result
 
     def stargate_slow(self, algorithm: str) -> None:
         definition, reason = stargate_definition(algorithm)
@@ -935,14 +1365,17 @@ class Bench:
             return
         if not self.has_time(f"{label} with a slow engine", 20):
             return
+        precise = split_variant(algorithm)[1]
+        urls, endpoints = self.engines(precise)
         with stargate_routers(
             self.procs,
-            self.log_dir / f"{algorithm}-slow",
+            self.log_dir / f"{slug(algorithm)}-slow",
             algorithm,
             definition,
             1,
-            self.urls,
+            urls,
             self.deadline,
+            endpoints,
         ) as routers:
             result, _ = self.one_pass(
                 routers.bases[0],
@@ -951,6 +1384,7 @@ class Bench:
                 algorithm,
                 slow=True,
                 replica=routers.replicas[0],
+                precise=routers.replicas if precise else [],
             )
             self.run.slow.append(result)
 
@@ -993,10 +1427,12 @@ def run(suite: Suite) -> PartResult:
         with tempfile.TemporaryDirectory(prefix="stargate-affinity-") as tmp:
             bench = Bench(procs, Path(tmp), trace, settings, deadline, profiler)
             bench.run.bound = infinite_cache_bound(trace)
+            bench.run.precise_bound = infinite_cache_bound(trace, precise=True)
             print(
                 f"  trace: {len(trace.conversations)} conversations x {settings.turns} turns over "
                 f"{len(trace.systems)} system prompts, {settings.users} users; one infinite "
-                f"cache would hit {bench.run.bound * 100:.1f} % of the blocks",
+                f"cache would hit {bench.run.bound * 100:.1f} % of the blocks "
+                f"({bench.run.precise_bound * 100:.1f} % of precise mode's)",
                 file=sys.stderr,
             )
             bench.urls = start_engines(procs, Path(tmp), deadline)
@@ -1011,7 +1447,7 @@ def run(suite: Suite) -> PartResult:
     measured = bench.run if bench is not None else Run()
     if not measured.passes:
         raise BenchError("no router was measured: " + "; ".join(measured.problems))
-    goals = judge(measured)
+    goals = judge_all(measured)
     for goal in goals:
         print(f"  goal {goal.what}: {_verdict(goal)}", file=sys.stderr)
     chart = suite.out_dir / f"{NAME}.png"
@@ -1025,12 +1461,25 @@ def run(suite: Suite) -> PartResult:
         markdown(measured, goals, trace, settings, sglang),
         {
             "bound_block_hit_rate": measured.bound,
+            "bound_block_hit_rate_precise": measured.precise_bound,
             "routers": [asdict(p) for p in measured.passes],
             "agreement": [
-                {"algorithm": a.algorithm, "same_engine": a.same_engine, "compared": a.compared}
+                {
+                    "algorithm": a.algorithm,
+                    "agreement": a.same_engine,
+                    "compared": a.compared,
+                    "block_hit_rate_a": a.block_hit_rate,
+                    "block_hit_rate_a_raw": a.paired.block_hit_rate if a.paired else math.nan,
+                    "stickiness_a": a.paired.stickiness if a.paired else math.nan,
+                    "shadows_failed": a.shadows_failed,
+                    "send_skew_p50_ms": a.skew_p50_ms,
+                    "send_skew_max_ms": a.skew_max_ms,
+                    "retries_a": a.paired.retries if a.paired else {},
+                    "retries_b": a.retries_b,
+                }
                 for a in measured.agreements
             ],
-            "replica_b": [asdict(a.second) for a in measured.agreements if a.second is not None],
+            "paired_passes": [asdict(a.paired) for a in measured.agreements if a.paired],
             "slow_engine": [asdict(p) for p in measured.slow],
             "goals": [asdict(g) for g in goals],
             "skipped": measured.skipped,
@@ -1042,6 +1491,8 @@ def run(suite: Suite) -> PartResult:
             "engines": ENGINES,
             "cache_blocks_per_engine": CACHE_BLOCKS,
             "block_chars": BLOCK_CHARS,
+            "precise_block_bytes": KV_BLOCK_BYTES,
+            "precise_depth": KV_DEPTH,
             "speedup": SPEEDUP,
             "ttft_ms": TTFT_MS,
             "inter_token_ms": INTER_TOKEN_MS,
@@ -1064,9 +1515,14 @@ def _pass(run: Run, router: str) -> PassResult | None:
     return next((p for p in run.passes if p.router == router), None)
 
 
-def judge(run: Run) -> list[Goal]:
-    """The issue's goals for prefix-aware (met None when a figure is missing)."""
-    goal = _pass(run, f"stargate {GOAL_ALGORITHM}")
+def judge_all(run: Run) -> list[Goal]:
+    """The issue's goals for every algorithm judged (GOAL_ALGORITHMS), in that order."""
+    return [goal for algorithm in GOAL_ALGORITHMS for goal in judge(run, algorithm)]
+
+
+def judge(run: Run, algorithm: str = GOAL_ALGORITHM) -> list[Goal]:
+    """The issue's goals for `algorithm` (met None when a figure is missing)."""
+    goal = _pass(run, f"stargate {algorithm}")
     sglang = _pass(run, "sglang-router cache_aware")
     goals: list[Goal] = []
 
@@ -1077,33 +1533,33 @@ def judge(run: Run) -> list[Goal]:
     reference = sglang.block_hit_rate if sglang is not None else math.nan
     hit = goal.block_hit_rate if goal is not None else math.nan
     add(
-        f"{GOAL_ALGORITHM} block hit rate vs sglang-router cache_aware",
+        f"{algorithm} block hit rate vs sglang-router cache_aware",
         f"at least cache_aware's - {GOAL_HIT_MARGIN:g}",
         hit - reference,
         hit - reference >= -GOAL_HIT_MARGIN,
         f"{num(hit, 3)} vs {num(reference, 3)}",
     )
     value = goal.stickiness if goal is not None else math.nan
-    add(f"{GOAL_ALGORITHM} stickiness", f">= {GOAL_STICKINESS:g}", value, value >= GOAL_STICKINESS)
+    add(f"{algorithm} stickiness", f">= {GOAL_STICKINESS:g}", value, value >= GOAL_STICKINESS)
     value = goal.max_min if goal is not None else math.nan
     add(
-        f"{GOAL_ALGORITHM} max/min requests per engine",
+        f"{algorithm} max/min requests per engine",
         f"<= {GOAL_MAX_MIN:g}",
         value,
         value <= GOAL_MAX_MIN,
     )
-    slow = next((p for p in run.slow if p.algorithm == GOAL_ALGORITHM), None)
+    slow = next((p for p in run.slow if p.algorithm == algorithm), None)
     value = slow.shares.get(SLOW_ENGINE, math.nan) if slow is not None else math.nan
     add(
-        f"{GOAL_ALGORITHM} slow engine's share",
+        f"{algorithm} slow engine's share",
         f"<= {GOAL_SLOW_SHARE:g}",
         value,
         value <= GOAL_SLOW_SHARE,
     )
-    agreed = next((a for a in run.agreements if a.algorithm == GOAL_ALGORITHM), None)
+    agreed = next((a for a in run.agreements if a.algorithm == algorithm), None)
     value = agreed.same_engine if agreed is not None else math.nan
     add(
-        f"{GOAL_ALGORITHM} agreement across replicas",
+        f"{algorithm} agreement across replicas",
         f">= {GOAL_AGREEMENT:g}",
         value,
         value >= GOAL_AGREEMENT,
@@ -1176,39 +1632,33 @@ def markdown(run: Run, goals: list[Goal], trace: Trace, settings: Settings, sgla
         "and counters reset before every pass. Block hit rate = cached prompt blocks / whole "
         "prompt blocks; TTFT at the client (to the first `data:` event); stickiness = turns "
         "served by the engine of the conversation's previous turn.",
-        f"**Bound**: one infinite cache seeing the whole trace hits {num(run.bound, 3)} of the "
-        "blocks.",
-        main,
-        spread,
     ]
-    if run.agreements:
+    if any(split_variant(p.algorithm)[1] for p in [*run.passes, *run.slow]):
         sections.append(
-            "**Agreement across replicas**: the trace through replica A, then (caches reset) "
-            "through replica B of the same config:\n\n"
-            + md_table(
-                [
-                    "Algorithm",
-                    "Same engine in both passes",
-                    "Requests compared",
-                    "Block hit rate A / B",
-                    "Stickiness A / B",
-                ],
-                [
-                    [
-                        a.algorithm,
-                        num(a.same_engine, 3),
-                        f"{a.compared:,}",
-                        " / ".join(
-                            num(p.block_hit_rate, 3) for p in (a.first, a.second) if p is not None
-                        ),
-                        " / ".join(
-                            num(p.stickiness, 3) for p in (a.first, a.second) if p is not None
-                        ),
-                    ]
-                    for a in run.agreements
-                ],
-            )
+            "**Precise mode** (`prefix-aware, precise`): four more engines with the same settings "
+            "that publish their cache's KV events (`--kv-events-endpoint`, one each), so their "
+            f"cache holds {CACHE_BLOCKS} blocks of {KV_BLOCK_BYTES} *bytes of the router's "
+            "prompt stream*, keyed by the router's prefix chain (`--kv-events-block-bytes "
+            f"{KV_BLOCK_BYTES} --kv-events-depth {KV_DEPTH}`), where the other passes' engines "
+            f"cut {BLOCK_CHARS} *characters of the mock's rendering* of the prompt (the same "
+            "framing and, for this ASCII trace, the same length); their Pylons follow the events "
+            "(`--kv-events-endpoint`), the replicas derive the same chain "
+            f"(`--derive-affinity-key-block-bytes {KV_BLOCK_BYTES} --derive-affinity-key-depth "
+            f"{KV_DEPTH}`), and the balancer reads each engine's cached blocks "
+            "(`BackendSnapshot.kv_blocks`). Each pass starts once every replica has seen every "
+            "engine's events and then the engines' reset (`/debug/routing`'s `kv_blocks`)."
         )
+    bound = f"**Bound**: one infinite cache seeing the whole trace hits {num(run.bound, 3)} of the "
+    if math.isnan(run.precise_bound):
+        bound += "blocks."
+    else:
+        bound += (
+            f"blocks ({num(run.precise_bound, 3)} of precise mode's blocks: the mock's cache "
+            "keyed by the router's chain)."
+        )
+    sections += [bound, main, spread]
+    if run.agreements:
+        sections.append(agreement_section(run.agreements))
     if run.slow:
         sections.append(
             f"**A slow engine**: {SLOW_ENGINE}'s TTFT and inter-token time x{SLOWDOWN:g}; each "
@@ -1238,6 +1688,65 @@ def markdown(run: Run, goals: list[Goal], trace: Trace, settings: Settings, sgla
         + "\n".join(f"- {goal.what}: {_verdict(goal)}" for goal in goals)
     )
     return "\n\n".join(sections)
+
+
+def _retry_count(retries: dict[str, int]) -> str:
+    return f"{sum(retries.values()):,}"
+
+
+def agreement_section(agreements: Sequence[Agreement]) -> str:
+    """The agreement across replicas: the paired passes' table and what it counts."""
+    table = md_table(
+        [
+            "Algorithm",
+            "Agreement",
+            "Requests compared",
+            "A's block hit rate",
+            "A's stickiness",
+        ],
+        [
+            [
+                a.algorithm,
+                num(a.same_engine, 3),
+                f"{a.compared:,}",
+                num(a.block_hit_rate, 3),
+                num(a.paired.stickiness if a.paired else math.nan, 3),
+            ]
+            for a in agreements
+        ],
+    )
+    raw = "; ".join(
+        f"{a.algorithm} {num(a.paired.block_hit_rate, 3)}" for a in agreements if a.paired
+    )
+    skews = "; ".join(
+        f"{a.algorithm} p50 {num(a.skew_p50_ms, 1)}, max {num(a.skew_max_ms, 1)}"
+        for a in agreements
+    )
+    retries = "; ".join(
+        f"{a.algorithm} {_retry_count(a.paired.retries if a.paired else {})} / "
+        f"{_retry_count(a.retries_b)}"
+        for a in agreements
+    )
+    failed = sum(a.shadows_failed for a in agreements)
+    return (
+        "**Agreement across replicas**: replica B (same config, the same Pylons) runs beside "
+        "replica A. One more pass of the trace, engines reset, sends each request to replica A "
+        "and, started together with it, a shadow copy to replica B: the same body with "
+        '`"max_tokens": 1` (the same prompt, so the same derived key and chain); a turn is over '
+        "once both have answered. Agreement = the share of the requests (both answered) whose "
+        "shadow reached the engine that served A's request. A's block hit rate and stickiness "
+        "are of that pass, apart from the main table: a disagreeing shadow puts the prompt into "
+        "a second engine's cache (a small perturbation that hit rate includes), and the shadows "
+        "double the engines' requests. The mock stores a prompt's blocks when it arrives, so of "
+        "a pair on one engine the later arrival finds the whole prompt cached; A's block hit "
+        "rate counts the lesser of the pair's hits there (the cache before the pair). Raw: "
+        f"{raw or '-'}. Send skew of a request and its shadow, ms: {skews or '-'}. The replicas' "
+        "retries during that pass, A / B (a retried request ends on another engine than its "
+        f"replica chose; by reason in the JSON): {retries or '-'}."
+        + (f" {failed:,} shadows failed." if failed else "")
+        + "\n\n"
+        + table
+    )
 
 
 def draw_chart(run: Run, path: Path) -> bool:
