@@ -30,10 +30,12 @@ One selection:
    queued cluster always qualifies. Stats come from the Pylons and are the same on every replica,
    so overflow agrees too (up to a heartbeat's skew).
 4b. *Precise mode.* When the engines publish their cached blocks (`BackendSnapshot.kv_blocks`,
-   docs/prefix-routing.md, "Precise mode") and a feasible cluster holds a longer leading run of
-   the request's chain than the home, the first such cluster of the ranking becomes the home (a
-   new conversation joins the engine that holds its system prompt; a turn stays where its
-   history is). The engines' sets are the same on every replica, up to a heartbeat's skew.
+   docs/prefix-routing.md, "Precise mode"), the feasible cluster whose prefill of the request is
+   cheapest becomes the home: the share of the request's chain its engines do not hold (their
+   longest leading run counts), over its weight; the first of the ranking among equals. So a
+   new conversation joins an engine that holds its system prompt, a turn stays where its history
+   is, and a slow engine takes only what its cache makes cheap there. The engines' sets are the
+   same on every replica, up to a heartbeat's skew.
 5b. *The Pylon's queue check.* The choice carries the queue delay it accepted above the estimate
    (the home: its saving plus `overflow_ms`; another cluster: `overflow_ms`) as
    `Choice.queue_allowance_ms`; the forwarder adds it to `x-stargate-expected-queue-ms`, so a
@@ -304,20 +306,28 @@ def _matched(chain: Sequence[int], backends: Sequence[BackendSnapshot]) -> int:
     return best
 
 
-def _promote_longest_match(
-    ranked: list[int], chain: Sequence[int], backends_of: Callable[[int], Sequence[BackendSnapshot]]
+def _promote_cheapest_prefill(
+    ranked: list[int],
+    chain: Sequence[int],
+    backends_of: Callable[[int], Sequence[BackendSnapshot]],
+    weight_of: Callable[[int], float],
 ) -> list[int]:
-    """Step 4b, precise mode: when engines publish their cached blocks and another item holds a
-    longer leading run of the request's chain than the home, the first such item of the ranking
-    (holding the longest) becomes the home; the rest keep their order. Without published blocks,
-    or with the home holding the longest run, `ranked` as it is."""
+    """Step 4b, precise mode: when engines publish their cached blocks, the item whose prefill of
+    the request is cheapest (the share of the chain it does not hold, over its weight) becomes
+    the home, the first of the ranking among equals; the rest keep their order. Without published
+    blocks `ranked` as it is."""
     if not chain or len(ranked) < 2:
         return ranked
     matched = [_matched(chain, backends_of(item)) for item in ranked]
-    best = max(matched)
-    if best == 0 or matched[0] == best:
+    if not any(matched):
         return ranked
-    first = matched.index(best)
+    costs = [
+        (1.0 - held / len(chain)) / weight_of(item)
+        for held, item in zip(matched, ranked, strict=True)
+    ]
+    first = costs.index(min(costs))
+    if first == 0:
+        return ranked
     return [ranked[first], *ranked[:first], *ranked[first + 1 :]]
 
 
@@ -417,8 +427,11 @@ class PrefixAware:
         feasible = [p for p, verdict in enumerate(verdicts) if verdict is Feasibility.ELIGIBLE]
         if not feasible:
             return None
-        feasible = _promote_longest_match(
-            feasible, request.prefix_chain, lambda p: clusters[ranking[p]].backends
+        feasible = _promote_cheapest_prefill(
+            feasible,
+            request.prefix_chain,
+            lambda p: clusters[ranking[p]].backends,
+            lambda p: _weight(clusters[ranking[p]].stats, self._largest) if self._largest else 1.0,
         )
         saved = _saved_ms(clusters[ranking[feasible[0]]].stats, request)
         step = _overflow(
@@ -457,7 +470,13 @@ class PrefixAware:
             self.group_boost,
             _largest(b.stats for b in backends) if self.capacity_weights else 0.0,
         )
-        ranked = _promote_longest_match(ranked, request.prefix_chain, lambda i: (backends[i],))
+        largest = _largest(b.stats for b in backends) if self.capacity_weights else 0.0
+        ranked = _promote_cheapest_prefill(
+            ranked,
+            request.prefix_chain,
+            lambda i: (backends[i],),
+            lambda i: _weight(backends[i].stats, largest) if largest else 1.0,
+        )
         first = _overflow(
             ranked,
             lambda i: _backend_queue_ms(backends[i], cluster, request),

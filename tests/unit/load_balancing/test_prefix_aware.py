@@ -330,3 +330,28 @@ def test_precise_mode_orders_the_backends_of_a_cluster() -> None:
     warm = _with_blocks("one", {**held, last: {1, 2}})
     choice = PrefixAware().choose([warm], request, NO_EXCLUSIONS)
     assert choice is not None and choice.backends[0].inference_server_id == last
+
+
+def test_precise_mode_weighs_the_prefill_left_by_capacity() -> None:
+    """A 4x slower cluster holding the request's system prompt (half of its chain) is not worth
+    it (half the prefill at a quarter of the speed costs twice the home's whole prefill); holding
+    nine tenths of the chain (a conversation's history) it is (0.1 x 4 < 1)."""
+    chain = tuple(range(100, 110))
+    request = replace(req(1000, key="prefix:conversation"), prefix_chain=chain)
+    ids = [f"c{i}" for i in range(4)]
+    bare = [_with_blocks(c, {f"b-{c}": set()}) for c in ids]
+    ranking = [bare[i].cluster_id for i in prefix_ranking("", bare, request)]
+    slow = ranking[3]
+
+    def fleet(held: set[int]) -> list[ClusterSnapshot]:
+        return [
+            _with_blocks(
+                c, {f"b-{c}": held if c == slow else set()}, 250.0 if c == slow else 1000.0
+            )
+            for c in ids
+        ]
+
+    assert _pick(PrefixAware(), fleet(set(chain[:5])), request) == ranking[0]
+    assert _pick(PrefixAware(), fleet(set(chain[:9])), request) == slow
+    # Without capacity weights the longest run wins whatever the speed.
+    assert _pick(PrefixAware(capacity_weights=False), fleet(set(chain[:5])), request) == slow
