@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stargate.addresses import AddressError, AddressProblem, format_host_port, parse_host_port
+from stargate.prefix_key import DEFAULT_BLOCK_BYTES, DEFAULT_DEPTH, MAX_CAP_BYTES
 
 __all__ = [
     "DEFAULT_MAX_CLIENT_CONNECTIONS",
@@ -333,12 +334,6 @@ class TracingConfig:
 
 
 DEFAULT_MAX_CONNECTIONS_PER_BACKEND = 1024
-DEFAULT_DERIVE_AFFINITY_KEY_BLOCK_BYTES = 256
-"""`--derive-affinity-key-block-bytes`: a derived prefix chain's block (docs/prefix-routing.md)."""
-DEFAULT_DERIVE_AFFINITY_KEY_DEPTH = 64
-"""`--derive-affinity-key-depth`: the blocks a derived prefix chain holds at most."""
-MAX_DERIVE_AFFINITY_KEY_COVER = 1 << 24
-"""block bytes x depth at most: the prompt bytes a derived key reads (16 MiB)."""
 """`--proxy-max-connections-per-backend`: upstream connections (so concurrent requests and
 streams) one backend may have open. Engines (vLLM, SGLang, TensorRT-LLM) batch hundreds of
 sequences at once, and a request holds its connection for its whole stream, so the cap must not
@@ -364,8 +359,8 @@ class ProxyConfig:
     max_connections_per_backend: int = DEFAULT_MAX_CONNECTIONS_PER_BACKEND
     # docs/data-plane.md, "Derived affinity keys" (stargate/prefix_key.py).
     derive_affinity_key: bool = False
-    derive_affinity_key_block_bytes: int = DEFAULT_DERIVE_AFFINITY_KEY_BLOCK_BYTES
-    derive_affinity_key_depth: int = DEFAULT_DERIVE_AFFINITY_KEY_DEPTH
+    derive_affinity_key_block_bytes: int = DEFAULT_BLOCK_BYTES
+    derive_affinity_key_depth: int = DEFAULT_DEPTH
     # docs/pylon-data-path.md, "Unmeasured backends" (stargate/routing/state.py).
     estimate_unmeasured_backends: bool = True
 
@@ -377,10 +372,10 @@ class ProxyConfig:
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         cover = self.derive_affinity_key_block_bytes * self.derive_affinity_key_depth
-        if cover > MAX_DERIVE_AFFINITY_KEY_COVER:
+        if cover > MAX_CAP_BYTES:
             raise ConfigError(
                 "--derive-affinity-key-block-bytes x --derive-affinity-key-depth must be at most "
-                f"{MAX_DERIVE_AFFINITY_KEY_COVER} bytes, got {cover}"
+                f"{MAX_CAP_BYTES} bytes, got {cover}"
             )
         if self.max_connections_per_backend < 1:
             raise ConfigError(

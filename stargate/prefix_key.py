@@ -56,6 +56,7 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_DEPTH",
     "KEY_PREFIX",
+    "MAX_CAP_BYTES",
     "DerivedPrefix",
     "chain_hashes",
     "derive_affinity_key",

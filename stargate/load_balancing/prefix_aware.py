@@ -23,12 +23,6 @@ One selection:
    Every turn of a conversation has the same key, so the same ranking.
 4. *Feasibility.* With `consider_kv_free_tokens`, a cluster without KV metrics or with fewer free
    tokens than the request's input is skipped (Pulsar's rule).
-5. *Load.* The first feasible cluster of the ranking (the *home*) is chosen unless its queue
-   delay exceeds the least queue delay among the feasible clusters by more than what its cache
-   saves (the prefill of the request's input at its TPS) plus `overflow_ms`. Then the walk goes
-   on down the ranking, each later cluster allowed only `overflow_ms` above the least; the least
-   queued cluster always qualifies. Stats come from the Pylons and are the same on every replica,
-   so overflow agrees too (up to a heartbeat's skew).
 4b. *Precise mode.* When the engines publish their cached blocks (`BackendSnapshot.kv_blocks`,
    docs/prefix-routing.md, "Precise mode"), the feasible cluster whose prefill of the request is
    cheapest becomes the home: the share of the request's chain its engines do not hold (their
@@ -36,6 +30,12 @@ One selection:
    new conversation joins an engine that holds its system prompt, a turn stays where its history
    is, and a slow engine takes only what its cache makes cheap there. The engines' sets are the
    same on every replica, up to a heartbeat's skew.
+5. *Load.* The first feasible cluster of the ranking (the *home*) is chosen unless its queue
+   delay exceeds the least queue delay among the feasible clusters by more than what its cache
+   saves (the prefill of the request's input at its TPS) plus `overflow_ms`. Then the walk goes
+   on down the ranking, each later cluster allowed only `overflow_ms` above the least; the least
+   queued cluster always qualifies. Stats come from the Pylons and are the same on every replica,
+   so overflow agrees too (up to a heartbeat's skew).
 5b. *The Pylon's queue check.* The choice carries the queue delay it accepted above the estimate
    (the home: its saving plus `overflow_ms`; another cluster: `overflow_ms`) as
    `Choice.queue_allowance_ms`; the forwarder adds it to `x-stargate-expected-queue-ms`, so a
@@ -43,16 +43,17 @@ One selection:
    its live queue exceeds what this step tolerated. Without it, each replica's estimate lacks the
    other replicas' requests in flight, and the Pylons turned away (and so moved) 3 to 12 % of a
    two-replica trace's turns.
-6. *Backend.* Steps 1 to 3, 4b and 5 run again over the chosen cluster's backends (their ids, their
-   own stats), and the `Choice` carries that order: the forwarder tries the backends in it
-   instead of the cluster's round robin. Pylons registered without `--cluster-id` all share the
-   cluster "", so for such a fleet this is the step that places the request.
+6. *Backend.* Steps 1 to 3, 4b and 5 run again over the chosen cluster's backends (their ids,
+   their own stats), and the `Choice` carries that order: the forwarder tries the backends in it
+   instead of the cluster's round robin. Engines whose Pylons share a `--cluster-id` form one
+   cluster, so among them this is the step that places the request.
 
 At more than `EXACT_LIMIT` clusters, the ranking covers the candidates found by `PROBES` probes
 of multi-probe consistent hashing (each probe a point of the key on a ring of cluster-id hashes,
-`VIRTUAL_NODES` per cluster: the cluster owning the next point), and step 1's "none has a TPS"
-rule looks at those candidates only, so a decision costs O(PROBES log n), not O(n). The ring
-depends on the cluster ids only, so it is rebuilt when the set changes, never when stats do.
+`VIRTUAL_NODES` per cluster: the cluster owning the next point), so a decision costs
+O(PROBES log n), not O(n). The ring depends on the cluster ids only, so it is rebuilt when the set
+changes, never when stats do; the largest TPS and the group homes are kept per snapshot of the
+clusters (`PrefixAware._refresh`).
 """
 
 from __future__ import annotations
@@ -455,9 +456,9 @@ class PrefixAware:
     def _backends(
         self, keys: tuple[bytes, bytes | None], cluster: ClusterSnapshot, request: RoutingRequest
     ) -> tuple[BackendSnapshot, ...]:
-        """The cluster's backends in the order to try them: steps 1 to 3 and 5 again, over
-        backend ids and each backend's own stats (a Pylon without `--cluster-id` puts every
-        engine in one cluster, so this is where such a fleet's prefix routing happens)."""
+        """The cluster's backends in the order to try them: steps 1 to 3, 4b and 5 again, over
+        backend ids and each backend's own stats (engines whose Pylons share a `--cluster-id`
+        are one cluster: this is where prefix routing happens among them)."""
         backends = cluster.backends
         if len(backends) < 2:
             return backends
