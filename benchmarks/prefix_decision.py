@@ -4,7 +4,8 @@
 process, no I/O: the balancer is pure (stargate/load_balancing/prefix_aware.py), so its cost is
 CPU time, read per call with `time.thread_time_ns` (cores are shared: wall-clock figures lie).
 
-* Decisions: `PrefixAware.choose` over 4, 64 and 1,000 clusters with live-looking stats, for
+* Decisions: `PrefixAware.choose` over 4, 64 and 1,000 clusters with live-looking stats (a new
+  snapshot tuple every decision, as the routing state hands out after each reservation), for
   100,000 distinct conversation keys (the issue's "100k tracked prefixes"; the balancer keeps no
   per-prefix state, so the figure is the same for any number), each with a group, under the
   replica's collector settings (stargate/gc_policy.py); p50 / p99 per decision. The issue's goal:
@@ -75,6 +76,9 @@ def _cpu_us(call: Callable[[], object], repeat: int, ordered: bool = True) -> li
 
 def _decisions(count: int, keys: list[str], rng: random.Random) -> dict[str, float]:
     clusters = _clusters(count, rng)
+    # The routing state rebuilds its snapshot tuple on every heartbeat and reservation: the
+    # decisions alternate between two equal tuples, so no decision finds the previous one's.
+    snapshots = (clusters, tuple(list(clusters)))
     balancer = PrefixAware(seed="bench")
     requests = [
         RoutingRequest(
@@ -89,10 +93,13 @@ def _decisions(count: int, keys: list[str], rng: random.Random) -> dict[str, flo
     tune_for_serving()  # the replica's collector settings (stargate/gc_policy.py)
 
     def timed() -> list[float]:
-        iterator = iter(requests)
-        return _cpu_us(
-            lambda: balancer.choose(clusters, next(iterator), frozenset()), len(keys), False
-        )
+        iterator = iter(enumerate(requests))
+
+        def decide() -> object:
+            index, request = next(iterator)
+            return balancer.choose(snapshots[index % 2], request, frozenset())
+
+        return _cpu_us(decide, len(keys), False)
 
     rounds = [timed() for _ in range(REPEATS)]
     first = sorted(rounds[0])

@@ -51,9 +51,9 @@ One selection:
 At more than `EXACT_LIMIT` clusters, the ranking covers the candidates found by `PROBES` probes
 of multi-probe consistent hashing (each probe a point of the key on a ring of cluster-id hashes,
 `VIRTUAL_NODES` per cluster: the cluster owning the next point), so a decision costs
-O(PROBES log n), not O(n). The ring depends on the cluster ids only, so it is rebuilt when the set
-changes, never when stats do; the largest TPS and the group homes are kept per snapshot of the
-clusters (`PrefixAware._refresh`).
+O(PROBES log n), not O(n): weights are relative to the fastest candidate, and the ring depends on
+the cluster ids only, so it is rebuilt when they change (`PrefixAware._candidates`), never when
+stats do.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import Final
@@ -99,8 +99,6 @@ EXACT_LIMIT: Final = 16
 """Up to this many clusters, every one is ranked."""
 MIN_WEIGHT_EXPONENT: Final = -30
 """The smallest weight is 2**-30 of the largest (a cluster still takes part)."""
-GROUP_HOMES_LIMIT: Final = 4096
-"""Group homes remembered per balancer (emptied when full, and when the cluster ids change)."""
 VIRTUAL_NODES: Final = 16
 """Points per cluster on the multi-probe ring."""
 PROBES: Final = 8
@@ -144,24 +142,20 @@ _Stats = Callable[[int], ModelStats]
 
 
 def _weights(
-    candidates: Sequence[int], ident: _Id, stats: _Stats, excluded: AbstractSet[str], largest: float
+    candidates: Sequence[int], ident: _Id, stats: _Stats, excluded: AbstractSet[str], capacity: bool
 ) -> dict[int, float]:
-    """Step 1 over the candidates: each one's weight (0: excluded). `largest` is the largest
-    input TPS of all the items (0: weights are off, or nothing is measured: all weigh 1)."""
+    """Step 1 over the candidates: each one's weight (0: excluded). With `capacity`, its input TPS
+    relative to the largest among them (`_rounded`; an unmeasured one the smallest weight, so it
+    takes part last); without, or when none is measured, 1."""
+    tps = {i: 0.0 if ident(i) in excluded else input_tps(stats(i)) for i in candidates}
+    largest = max(tps.values(), default=0.0) if capacity else 0.0
     if largest <= 0.0:
         return {i: 0.0 if ident(i) in excluded else 1.0 for i in candidates}
-    return {i: 0.0 if ident(i) in excluded else _weight(stats(i), largest) for i in candidates}
-
-
-def _weight(stats: ModelStats, largest: float) -> float:
-    """A measured item's rounded share of the largest TPS; an unmeasured one the smallest weight
-    (it takes part, last)."""
-    tps = input_tps(stats)
-    return _rounded(tps / largest) if tps > 0.0 else 2.0**MIN_WEIGHT_EXPONENT
-
-
-def _largest(stats: Iterable[ModelStats]) -> float:
-    return max((input_tps(s) for s in stats), default=0.0)
+    smallest = 2.0**MIN_WEIGHT_EXPONENT
+    return {
+        i: 0.0 if ident(i) in excluded else _rounded(t / largest) if t > 0.0 else smallest
+        for i, t in tps.items()
+    }
 
 
 def _rounded(share: float) -> float:
@@ -217,35 +211,30 @@ def _rank(
     stats: _Stats,
     excluded: AbstractSet[str],
     group_boost: float,
-    largest: float,
-    ring: _Ring | None = None,
-    group_homes: dict[bytes, int] | None = None,
-) -> list[int]:
-    """Steps 1 to 3 over `count` items (clusters, or one cluster's backends); `largest` as for
-    `_weights`. `group_homes` caches each group's home: only valid while the items' ids and
-    weights stay the same."""
+    capacity: bool,
+    candidates_of: Callable[[bytes], Sequence[int]] | None = None,
+) -> tuple[list[int], dict[int, float]]:
+    """Steps 1 to 3 over `count` items (clusters, or one cluster's backends): the ranking, best
+    first, and the items' weights (step 1's, before the group lean). `candidates_of` (a key's
+    multi-probe candidates) limits both rankings to their candidates; without it every item
+    takes part."""
     key, group_key = keys
-    candidates: Sequence[int] = range(count) if ring is None else ring.candidates(key, PROBES)
-    weights = _weights(candidates, ident, stats, excluded, largest)
-    if group_key is not None:
-        home = None if group_homes is None else group_homes.get(group_key)
-        if home is None:
-            group_candidates = candidates if ring is None else ring.candidates(group_key, PROBES)
-            missing = [i for i in group_candidates if i not in weights]
-            weights.update(_weights(missing, ident, stats, excluded, largest))
-            homes = _ranked(group_key, group_candidates, ident, weights)
-            home = homes[0] if homes else -1
-            if group_homes is not None:
-                if len(group_homes) >= GROUP_HOMES_LIMIT:
-                    group_homes.clear()
-                group_homes[group_key] = home
-        if home >= 0:
-            if home not in candidates:  # the group's home, found by its own probes
-                candidates = [*candidates, home]
-                if home not in weights:
-                    weights.update(_weights([home], ident, stats, excluded, largest))
-            weights[home] *= group_boost
-    return _ranked(key, candidates, ident, weights)
+    candidates: Sequence[int] = range(count) if candidates_of is None else candidates_of(key)
+    if group_key is None:
+        weights = _weights(candidates, ident, stats, excluded, capacity)
+        return _ranked(key, candidates, ident, weights), weights
+    group_candidates = candidates if candidates_of is None else candidates_of(group_key)
+    weights = _weights(
+        list(dict.fromkeys([*candidates, *group_candidates])), ident, stats, excluded, capacity
+    )
+    homes = _ranked(group_key, group_candidates, ident, weights)
+    if not homes:
+        return _ranked(key, candidates, ident, weights), weights
+    home = homes[0]
+    if home not in candidates:  # found by the group's own probes: it competes for this key too
+        candidates = [*candidates, home]
+    leaning = {**weights, home: weights[home] * group_boost}
+    return _ranked(key, candidates, ident, leaning), weights
 
 
 def prefix_ranking(
@@ -254,21 +243,20 @@ def prefix_ranking(
     request: RoutingRequest,
     excluded: AbstractSet[str] = frozenset(),
     group_boost: float = DEFAULT_GROUP_BOOST,
-    ring: _Ring | None = None,
     capacity_weights: bool = True,
 ) -> list[int]:
-    """Steps 1 to 3: indices into `clusters` of the ranked clusters, best first. `ring` (the
-    ring of `clusters`' ids) limits the ranking to its probes' candidates."""
-    return _rank(
+    """Steps 1 to 3 over every cluster: indices into `clusters` of the ranked clusters, best
+    first."""
+    ranking, _ = _rank(
         _keys(seed, request, group_boost),
         len(clusters),
         lambda i: clusters[i].cluster_id,
         lambda i: clusters[i].stats,
         excluded,
         group_boost,
-        _largest(c.stats for c in clusters) if capacity_weights else 0.0,
-        ring,
+        capacity_weights,
     )
+    return ranking
 
 
 def _overflow(
@@ -343,12 +331,7 @@ class PrefixAware:
     backend inside it."""
 
     __slots__ = (
-        "_group_homes",
-        "_ids",
-        "_largest",
         "_ring",
-        "_source",
-        "_weights",
         "capacity_weights",
         "consider_kv_free_tokens",
         "group_boost",
@@ -374,31 +357,24 @@ class PrefixAware:
         self.group_boost = float(group_boost)
         self.overflow_ms = overflow_ms
         self.capacity_weights = capacity_weights
-        self._source: Sequence[ClusterSnapshot] | None = None
-        self._ids: tuple[str, ...] = ()
-        self._weights: tuple[float, ...] = ()
-        self._largest = 0.0
         self._ring: _Ring | None = None
-        self._group_homes: dict[bytes, int] = {}
 
-    def _refresh(self, clusters: Sequence[ClusterSnapshot]) -> None:
-        """Keep the largest TPS, the ring (above EXACT_LIMIT clusters) and the group homes for
-        `clusters`. The routing state hands out the same tuple until the target changes, so this
-        is usually one identity test; a new tuple (new stats) keeps the homes while the ids and
-        the rounded weights stay the same, and the ring while the ids do."""
-        if clusters is self._source:
-            return
-        self._source = clusters
-        self._largest = _largest(c.stats for c in clusters) if self.capacity_weights else 0.0
-        weights = tuple(_weight(c.stats, self._largest) for c in clusters) if self._largest else ()
-        ids = tuple(cluster.cluster_id for cluster in clusters)
-        if ids == self._ids and weights == self._weights:
-            return
-        self._weights = weights
-        self._group_homes.clear()
-        if ids != self._ids:
-            self._ids = ids
-            self._ring = _Ring(ids) if len(ids) > EXACT_LIMIT else None
+    def _candidates(self, clusters: Sequence[ClusterSnapshot], key: bytes) -> Sequence[int]:
+        """`key`'s multi-probe candidates among `clusters` (more than EXACT_LIMIT of them).
+
+        The ring is built from the clusters' ids and kept while it fits them: rebuilt when their
+        number changes or when a candidate's id is not the one the ring placed at its position.
+        The routing state rebuilds its snapshot on every heartbeat and reservation, so checking
+        every id per request would cost O(n); a cluster replaced by another at the same position
+        is noticed by the first request whose probes reach it (one in about n / PROBES)."""
+        ring = self._ring
+        if ring is None or len(ring.ids) != len(clusters):
+            ring = self._ring = _Ring(tuple(cluster.cluster_id for cluster in clusters))
+        found = ring.candidates(key, PROBES)
+        if any(clusters[i].cluster_id != ring.ids[i] for i in found):
+            ring = self._ring = _Ring(tuple(cluster.cluster_id for cluster in clusters))
+            found = ring.candidates(key, PROBES)
+        return found
 
     def choose(
         self,
@@ -408,18 +384,16 @@ class PrefixAware:
     ) -> Choice | None:
         if not clusters:
             return None
-        self._refresh(clusters)
         keys = _keys(self.seed, request, self.group_boost)
-        ranking = _rank(
+        ranking, weights = _rank(
             keys,
             len(clusters),
             lambda i: clusters[i].cluster_id,
             lambda i: clusters[i].stats,
             excluded,
             self.group_boost,
-            self._largest,
-            self._ring,
-            None if excluded else self._group_homes,  # exclusions change the homes
+            self.capacity_weights,
+            None if len(clusters) <= EXACT_LIMIT else lambda k: self._candidates(clusters, k),
         )
         verdicts = [
             feasibility(clusters[i], request.input_tokens, excluded, self.consider_kv_free_tokens)
@@ -432,7 +406,7 @@ class PrefixAware:
             feasible,
             request.prefix_chain,
             lambda p: clusters[ranking[p]].backends,
-            lambda p: _weight(clusters[ranking[p]].stats, self._largest) if self._largest else 1.0,
+            lambda p: weights[ranking[p]],
         )
         saved = _saved_ms(clusters[ranking[feasible[0]]].stats, request)
         step = _overflow(
@@ -462,21 +436,17 @@ class PrefixAware:
         backends = cluster.backends
         if len(backends) < 2:
             return backends
-        ranked = _rank(
+        ranked, weights = _rank(
             keys,
             len(backends),
             lambda i: backends[i].inference_server_id,
             lambda i: backends[i].stats,
             frozenset(),
             self.group_boost,
-            _largest(b.stats for b in backends) if self.capacity_weights else 0.0,
+            self.capacity_weights,
         )
-        largest = _largest(b.stats for b in backends) if self.capacity_weights else 0.0
         ranked = _promote_cheapest_prefill(
-            ranked,
-            request.prefix_chain,
-            lambda i: (backends[i],),
-            lambda i: _weight(backends[i].stats, largest) if largest else 1.0,
+            ranked, request.prefix_chain, lambda i: (backends[i],), weights.__getitem__
         )
         first = _overflow(
             ranked,

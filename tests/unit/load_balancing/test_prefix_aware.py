@@ -355,3 +355,21 @@ def test_precise_mode_weighs_the_prefill_left_by_capacity() -> None:
     assert _pick(PrefixAware(), fleet(set(chain[:9])), request) == slow
     # Without capacity weights the longest run wins whatever the speed.
     assert _pick(PrefixAware(capacity_weights=False), fleet(set(chain[:5])), request) == slow
+
+
+def test_a_new_snapshot_keeps_the_ring_until_its_clusters_change() -> None:
+    """The routing state hands out a new tuple after every heartbeat: equal clusters keep the
+    ring; a cluster replaced at the same position is noticed by the first request whose probes
+    reach it, after which the choices are a fresh balancer's."""
+    clusters = [snap(f"engine-{i:04d}", last_mean_input_tps=1000.0) for i in range(200)]
+    balancer = PrefixAware()
+    keys = _keys(3000)
+    _pick(balancer, tuple(clusters), req(10, key=keys[0]))
+    ring = balancer._ring
+    _pick(balancer, tuple(list(clusters)), req(10, key=keys[1]))
+    assert balancer._ring is ring  # same ids: not rebuilt
+    swapped = tuple([*clusters[:5], snap("newcomer", last_mean_input_tps=1000.0), *clusters[6:]])
+    seen = [_pick(balancer, swapped, req(10, key=k)) for k in keys]
+    assert balancer._ring is not ring and "newcomer" in seen
+    fresh = PrefixAware()
+    assert seen[-1000:] == [_pick(fresh, swapped, req(10, key=k)) for k in keys[-1000:]]
