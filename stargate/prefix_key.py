@@ -218,7 +218,9 @@ def _read_stream(body: bytes | bytearray, start: int, stream: _Stream) -> None:
         return
     for item_start, item_end in _array_items(body, start):
         message = _decode(body, item_start, item_end)
-        system = isinstance(message, dict) and message.get("role") in _FULL_ROLES
+        # A role that is not a string (a list, an object) is no system role, and not hashable.
+        role = message.get("role") if isinstance(message, dict) else None
+        system = isinstance(role, str) and role in _FULL_ROLES
         stream.add(_message(message), system)
         if stream.full:
             return
