@@ -2,8 +2,8 @@
 `nox -s bench -- [PART ...] [options]` runs (`nox -s bench-3.13` on Python 3.13).
 
 Without PART it runs the default suite in order: proxy, stream, registration, readiness, activator,
-affinity, prefix-decision (each its own module in this package; `-` in a name is `_` in the
-module's). `routing` (benchmarks/routing.py: routing by real
+affinity, prefix-decision, client-limits (each its own module in this package; `-` in a name is
+`_` in the module's). `routing` (benchmarks/routing.py: routing by real
 load through real Pylons, and the Pylon hop's cost; about 5 minutes), `tunnels`
 (benchmarks/tunnels.py: the Pylon hop over the QUIC tunnels, raw-quic and http3, against HTTP;
 about 3 minutes) and `capacity` (benchmarks/capacity.py) run only when named. Each part starts its
@@ -51,6 +51,7 @@ DEFAULT_PARTS = (
     "activator",
     "affinity",
     "prefix-decision",
+    "client-limits",
 )
 PARTS = (*DEFAULT_PARTS, "routing", "tunnels", "capacity")
 

@@ -183,6 +183,19 @@ def main() -> None:
 # `stargate serve`: defaults are `ServeConfig`'s unless given. The README's flag table and the
 # chart's values (helm/stargate/templates/_helpers.tpl) list every one
 # (tests/unit/test_flag_docs.py).
+def _auto_or_count(value: str) -> int | None:
+    """`--max-client-connections`: `auto` (None: computed at start-up) or a count, 0 or more."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"expected auto or an integer, got {value!r}") from None
+    if count < 0:
+        raise ValueError(f"must not be negative (0 = unlimited), got {count}")
+    return count
+
+
 SERVE = Settings(
     ServeConfig,
     Setting(
@@ -543,6 +556,71 @@ SERVE = Settings(
         "rule, no capacity (pulsar and wait-and-widen skip it; with none measured they answer "
         "503).",
     ),
+    # docs/outliers.md: outlier ejection and slow start.
+    Setting(
+        "--outlier-consecutive-failures",
+        env="STARGATE_OUTLIER_CONSECUTIVE_FAILURES",
+        to="proxy.outlier_consecutive_failures",
+        type=NON_NEGATIVE_INT,
+        help="Eject a backend after this many final 5xx responses in a row, or transport "
+        "failures in a row (a retryable 429/503 is load, not a failure; a success resets). "
+        "0 = no outlier ejection.",
+    ),
+    Setting(
+        "--outlier-base-ejection-ms",
+        env="STARGATE_OUTLIER_BASE_EJECTION_MS",
+        to="proxy.outlier_base_ejection_ms",
+        type=POSITIVE_INT,
+        help="An ejection lasts this long times the number of times the backend has been "
+        "ejected; then it is routed again, no probe needed.",
+    ),
+    Setting(
+        "--outlier-max-ejection-ms",
+        env="STARGATE_OUTLIER_MAX_EJECTION_MS",
+        to="proxy.outlier_max_ejection_ms",
+        type=POSITIVE_INT,
+        help="Longest ejection (at least --outlier-base-ejection-ms).",
+    ),
+    Setting(
+        "--outlier-max-ejection-percent",
+        env="STARGATE_OUTLIER_MAX_EJECTION_PERCENT",
+        to="proxy.outlier_max_ejection_percent",
+        type=click.IntRange(0, 100),
+        help="At most this percentage of the registered backends is ejected at once (rounded "
+        "down), but at least one.",
+    ),
+    Setting(
+        "--outlier-decay-interval-ms",
+        env="STARGATE_OUTLIER_DECAY_INTERVAL_MS",
+        to="proxy.outlier_decay_interval_ms",
+        type=POSITIVE_INT,
+        help="The ejection count of a backend back in rotation drops by one per interval, so "
+        "one that recovered is next ejected for the base time again.",
+    ),
+    Setting(
+        "--slow-start-window-ms",
+        env="STARGATE_SLOW_START_WINDOW_MS",
+        to="proxy.slow_start_window_ms",
+        type=NON_NEGATIVE_INT,
+        help="A backend that joins a model after the replica's warmup ramps up to its full "
+        "share over this window, while some other backend of the model is past its own. "
+        "0 = no slow start.",
+    ),
+    Setting(
+        "--slow-start-aggression",
+        env="STARGATE_SLOW_START_AGGRESSION",
+        to="proxy.slow_start_aggression",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Shape of the ramp: the share is (time in window / window) ^ (1 / aggression); "
+        "1.0 is linear, larger values ramp faster at first.",
+    ),
+    Setting(
+        "--slow-start-min-weight-percent",
+        env="STARGATE_SLOW_START_MIN_WEIGHT_PERCENT",
+        to="proxy.slow_start_min_weight_percent",
+        type=click.FloatRange(0, 100),
+        help="The least share (percent of a full one) a ramping backend gets.",
+    ),
     Setting(
         "--derive-affinity-key",
         env="STARGATE_DERIVE_AFFINITY_KEY",
@@ -568,6 +646,26 @@ SERVE = Settings(
         type=POSITIVE_INT,
         help="Blocks a derived prefix chain holds at most: block bytes x depth is how much of a "
         "prompt is read (at most 16 MiB).",
+    ),
+    Setting(
+        "--loading-comments/--no-loading-comments",
+        env="STARGATE_LOADING_COMMENTS",
+        to="proxy.loading_comments",
+        kind="toggle",
+        help="A streaming request (stream: true) held for a model pool's swap or a routing "
+        "wait gets, half a second into the hold, its 200 text/event-stream head and an SSE "
+        "comment (': loading model "
+        "M eta 12s') every --loading-comment-interval-ms until its engine answers, so idle "
+        "timeouts of proxies and SDKs do not cut it; a failure then ends the stream with an "
+        "error event and [DONE].",
+    ),
+    Setting(
+        "--loading-comment-interval-ms",
+        env="STARGATE_LOADING_COMMENT_INTERVAL_MS",
+        to="proxy.loading_comment_interval_ms",
+        type=POSITIVE_INT,
+        help="Time between the loading comments of a held streaming request (100 to 9999: below "
+        "the 10 s idle read timeout common in SDKs).",
     ),
     Setting(
         "--lb-config-path",
@@ -653,6 +751,26 @@ SERVE = Settings(
         section="Model pools",
         help="Timeout of each pool controller call (scale, patch, process start/stop), so a hung "
         "API server cannot freeze the pools.",
+    ),
+    Setting(
+        "--pool-breaker-failures",
+        env="STARGATE_POOL_BREAKER_FAILURES",
+        to="activator.breaker_failures",
+        type=NON_NEGATIVE_INT,
+        section="Model pools",
+        help="After this many failed swaps in a row to a pool member, its breaker opens: requests "
+        "for it fail fast (503 pool_member_unavailable) and start no swap until the cooldown "
+        "ends, then one probe swap decides. 0 turns the breaker off. A pool's breakerFailures "
+        "overrides it.",
+    ),
+    Setting(
+        "--pool-breaker-cooldown-ms",
+        env="STARGATE_POOL_BREAKER_COOLDOWN_MS",
+        to="activator.breaker_cooldown_ms",
+        type=POSITIVE_INT,
+        section="Model pools",
+        help="How long an open member breaker refuses before its probe swap; doubled after each "
+        "failed probe, up to 8 x. A pool's breakerCooldown overrides it.",
     ),
     Setting(
         "--pool-ownership",
@@ -762,11 +880,14 @@ SERVE = Settings(
         "--max-client-connections",
         env="STARGATE_MAX_CLIENT_CONNECTIONS",
         to="max_client_connections",
-        type=NON_NEGATIVE_INT,
+        default="auto",
+        metavar="auto|INTEGER",
+        parse=_auto_or_count,
         help="Open client connections the HTTP listener serves; 32 more serve only /healthz and "
-        "/readyz (other requests: 503 too_many_connections), and beyond those a new connection is "
-        "closed at once. The default keeps 2 descriptors per connection (client and upstream) "
-        "plus the reserve under the usual 1,024 open-file limit. 0 = unlimited.",
+        "/readyz (other requests: 503 too_many_connections), and past those a connection is "
+        "answered the same 503 (HTTP/2: its streams refused) and closed. auto computes it at "
+        "start-up from the open-file limit: 2 descriptors per connection (client and upstream) "
+        "after the reserve and 128 of headroom. 0 = unlimited.",
     ),
     *warmup_settings("STARGATE"),
     *log_settings("STARGATE_LOG_LEVEL", "STARGATE_LOG_FORMAT"),

@@ -341,6 +341,11 @@ sit below what one engine serves; it only guards the replica's descriptors again
 (docs/data-plane.md, "Per-backend connections")."""
 
 
+DEFAULT_LOADING_COMMENT_INTERVAL_MS = 5_000
+"""`--loading-comment-interval-ms`: a held streaming request gets a comment this often, half of
+the shortest idle read timeout seen in clients (10 s), so one late comment is still in time."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     """The data plane: retries, replay, upstream timeouts and connections, load balancing,
@@ -363,8 +368,21 @@ class ProxyConfig:
     derive_affinity_key_depth: int = DEFAULT_DEPTH
     # docs/pylon-data-path.md, "Unmeasured backends" (stargate/routing/state.py).
     estimate_unmeasured_backends: bool = True
+    # docs/clients.md, "Held streaming requests" (stargate/proxy/loading.py).
+    loading_comments: bool = True
+    loading_comment_interval_ms: int = DEFAULT_LOADING_COMMENT_INTERVAL_MS
+    # docs/outliers.md (stargate/routing/outliers.py, stargate/routing/slow_start.py).
+    outlier_consecutive_failures: int = 5
+    outlier_base_ejection_ms: int = 30_000
+    outlier_max_ejection_ms: int = 300_000
+    outlier_max_ejection_percent: int = 10
+    outlier_decay_interval_ms: int = 10_000
+    slow_start_window_ms: int = 30_000
+    slow_start_aggression: float = 1.0
+    slow_start_min_weight_percent: float = 10.0
 
     def __post_init__(self) -> None:
+        _check_outliers_and_slow_start(self)
         for flag, value in (
             ("--derive-affinity-key-block-bytes", self.derive_affinity_key_block_bytes),
             ("--derive-affinity-key-depth", self.derive_affinity_key_depth),
@@ -382,6 +400,12 @@ class ProxyConfig:
                 "--proxy-max-connections-per-backend must be at least 1, got "
                 f"{self.max_connections_per_backend}"
             )
+        interval = self.loading_comment_interval_ms
+        if not 100 <= interval < 10_000:
+            raise ConfigError(
+                "--loading-comment-interval-ms must be at least 100 and below 10000 (idle read "
+                f"timeouts of 10 s are common), got {interval}"
+            )
         for name in ("max_connect_retries", "max_request_retries", "max_replay_body_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', ' ')} must not be negative")
@@ -390,6 +414,37 @@ class ProxyConfig:
         header = self.retry_budget_header
         if header is not None and not _HEADER_NAME.match(header):
             raise ConfigError(f"invalid proxy retry budget header: {header!r}")
+
+
+def _check_outliers_and_slow_start(config: ProxyConfig) -> None:
+    """The outlier-ejection and slow-start flags (docs/outliers.md); each message names its flag."""
+    for flag, value in (
+        ("--outlier-consecutive-failures", config.outlier_consecutive_failures),
+        ("--slow-start-window-ms", config.slow_start_window_ms),
+    ):
+        if value < 0:
+            raise ConfigError(f"{flag} must not be negative, got {value}")
+    for flag, value in (
+        ("--outlier-base-ejection-ms", config.outlier_base_ejection_ms),
+        ("--outlier-decay-interval-ms", config.outlier_decay_interval_ms),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if config.outlier_max_ejection_ms < config.outlier_base_ejection_ms:
+        raise ConfigError(
+            "--outlier-max-ejection-ms must be at least --outlier-base-ejection-ms, got "
+            f"{config.outlier_max_ejection_ms} < {config.outlier_base_ejection_ms}"
+        )
+    for flag, percent in (
+        ("--outlier-max-ejection-percent", config.outlier_max_ejection_percent),
+        ("--slow-start-min-weight-percent", config.slow_start_min_weight_percent),
+    ):
+        if not 0 <= percent <= 100:
+            raise ConfigError(f"{flag} must be within 0..100, got {percent}")
+    if not config.slow_start_aggression > 0:
+        raise ConfigError(
+            f"--slow-start-aggression must be greater than 0, got {config.slow_start_aggression}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,19 +499,26 @@ class ActivatorConfig:
     resync_interval_ms: int = 5_000
     controller_timeout_ms: int = 10_000
     ownership: PoolOwnershipConfig = PoolOwnershipConfig()
+    # A member's breaker (docs/activator.md, "Breaker"): opens after this many failed swaps in a
+    # row (0: off), for the cooldown (doubled per failed probe, up to 8 x).
+    breaker_failures: int = 3
+    breaker_cooldown_ms: int = 30_000
 
     def __post_init__(self) -> None:
         if self.resync_interval_ms <= 0 or self.controller_timeout_ms <= 0:
             raise ConfigError("pool resync interval and controller timeout must be > 0")
+        if self.breaker_failures < 0:
+            raise ConfigError("--pool-breaker-failures must be >= 0 (0 turns the breaker off)")
+        if self.breaker_cooldown_ms <= 0:
+            raise ConfigError("--pool-breaker-cooldown-ms must be > 0")
         if self.ownership.mode == "lease" and self.pool_config_path is None:
             raise ConfigError("--pool-ownership=lease requires --pool-config")
 
 
-DEFAULT_MAX_CLIENT_CONNECTIONS = 384
-"""`--max-client-connections`: with the probe reserve (32) and an upstream connection for each
-client connection, 2 x 384 + 32 = 800 descriptors, leaving some 200 of the usual 1,024 soft limit
-for listeners, Pylon channels, health probes and idle upstream connections (docs/http-serving.md,
-"Limits")."""
+DEFAULT_MAX_CLIENT_CONNECTIONS: int | None = None
+"""`--max-client-connections`: None (`auto`) computes the cap at start-up from the raised
+open-file limit, two descriptors per connection after the probe reserve and headroom
+(`stargate.http_limits.connection_cap`; docs/http-serving.md, "Limits")."""
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
@@ -596,7 +658,8 @@ class ServeConfig:
     it becomes `metrics_listen_addr` (`0.0.0.0:PORT`) and reads back as None; giving it with a
     non-default `metrics_listen_addr` is an error. `debug_endpoints` serves `/debug/state`.
     `request_body_timeout_ms` and `max_client_connections` are the HTTP listener's client limits
-    (0 disables each; stargate/http_limits.py).
+    (0 disables each; `max_client_connections` None is computed at start-up;
+    stargate/http_limits.py).
     """
 
     stargate_id: str
@@ -611,7 +674,7 @@ class ServeConfig:
     shutdown_delay_ms: int = 5_000
     shutdown_drain_timeout_ms: int = 30_000
     request_body_timeout_ms: int = 30_000
-    max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS
+    max_client_connections: int | None = DEFAULT_MAX_CLIENT_CONNECTIONS
     warmup: WarmupConfig = WarmupConfig()
     discovery: DiscoveryConfig = field(default_factory=_serve_discovery_settings)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
@@ -641,7 +704,7 @@ class ServeConfig:
             raise ConfigError("shutdown delay must not be negative")
         if self.request_body_timeout_ms < 0:
             raise ConfigError("--request-body-timeout-ms must not be negative (0 disables it)")
-        if self.max_client_connections < 0:
+        if self.max_client_connections is not None and self.max_client_connections < 0:
             raise ConfigError("--max-client-connections must not be negative (0 = unlimited)")
         validate_metrics_prefix(self.metrics_prefix)
         if self.control_plane.oauth2_provider_host and self.secrets.path is None:

@@ -16,10 +16,20 @@ for real requests. Two limits close that:
   open connections. Up to the cap they are served as usual; past it, up to `CONNECTION_RESERVE`
   more are accepted but serve only the probes (`PROBE_PATHS`), every other request there getting
   503 `too_many_connections` with `Connection: close`, so the kubelet keeps reaching `/healthz`
-  and `/readyz` when clients have taken every slot; past the reserve a new connection is closed
-  as soon as it is accepted. A reserve connection is promoted to a normal one when a normal one
-  closes. At start-up `check_open_file_limit` raises the soft `RLIMIT_NOFILE` to the hard limit
-  (as Go's runtime does) and warns when the descriptors the cap may need exceed it.
+  and `/readyz` when clients have taken every slot. A reserve connection is promoted to a normal
+  one when a normal one closes. Past the reserve a connection is still accepted, but only to be
+  told the replica is full: its HTTP/1.1 request is answered the same 503 and the connection
+  closed, its HTTP/2 streams are refused (REFUSED_STREAM, then GOAWAY naming stream 0: nothing
+  was processed, the client may retry elsewhere), and whatever it does it is closed
+  `REFUSAL_DEADLINE` after its accept, so refused connections hold a descriptor only briefly and
+  cannot pile up. A client past the cap thus gets an answer it can act on, where it used to see a
+  bare close it could not tell from a crash.
+
+  The cap is computed from the descriptor budget unless given (`connection_cap`): at start-up the
+  soft `RLIMIT_NOFILE` is raised to the hard limit (as Go's runtime does), and the cap is what
+  fits in it at two descriptors per connection (the client's and the upstream connection its
+  request may hold) after the reserve and `DESCRIPTOR_HEADROOM` (`computed_cap`, the inverse of
+  `descriptors_needed`). A cap given explicitly wins, with a warning when it does not fit.
 
 Both apply to the HTTP listener only (proxy routes and the admin app): gRPC registration streams
 are long-lived by design, and Pylon channels are not client connections (`limit_http_clients`
@@ -59,7 +69,10 @@ from stargate.metrics import HttpMetrics
 __all__ = [
     "CONNECTION_RESERVE",
     "DESCRIPTOR_HEADROOM",
+    "MIN_COMPUTED_CAP",
     "PROBE_PATHS",
+    "REFUSAL_DEADLINE",
+    "UNLIMITED_OPEN_FILES",
     "Admission",
     "ConnectionLimit",
     "Refusal",
@@ -67,6 +80,8 @@ __all__ = [
     "apply",
     "bare_refusal",
     "check_open_file_limit",
+    "computed_cap",
+    "connection_cap",
     "descriptors_needed",
     "limit_connections",
     "limit_http_clients",
@@ -86,7 +101,25 @@ PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 DESCRIPTOR_HEADROOM = 128
 """Descriptors a replica needs besides its client connections and their upstream connections:
 the four listeners, Pylon registration channels, backend health probes, idle upstream keep-alive
-connections, log files. Only used to warn (`descriptors_needed`)."""
+connections, log files, and the connections past the reserve while they are answered. An idle
+replica holds about 30 of them (docs/http-serving.md, "Limits")."""
+
+MIN_COMPUTED_CAP = 8
+"""The computed cap's floor, for an open-file limit too small to fit the reserve and the headroom
+(below 176 descriptors): such a replica is misconfigured (the start-up warning says so), but still
+serves a few connections, and its probes, rather than refusing everything."""
+
+UNLIMITED_OPEN_FILES = 1_048_576
+"""What an unlimited open-file limit (`RLIM_INFINITY`) counts as when computing the cap: Linux
+never grants one process more descriptors than `fs.nr_open`, 1,048,576 by default (also
+containerd's default hard limit), so no replica can use more; memory bounds connections long
+before that (README, "What one replica holds")."""
+
+REFUSAL_DEADLINE = 2.0
+"""Seconds a connection accepted past the cap and the reserve stays open at most: room for its
+request head to arrive (one round trip after the handshake) and for the answer, even on a busy
+event loop; then it is closed whatever it is doing, so a flood of idle connections past the cap
+cannot hold descriptors."""
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -222,12 +255,12 @@ class Admission(enum.Enum):
 
     SERVE = "serve"  # a normal slot
     RESERVE = "reserve"  # a reserve slot: probes only
-    REFUSE = "refuse"  # closed at once
+    REFUSE = "refuse"  # answered that the replica is full, closed by `REFUSAL_DEADLINE`
 
 
 def admission(open_connections: int, cap: int, reserve: int) -> Admission:
-    """The decision for a new connection while `open_connections` are open (pure). `cap` 0 means
-    unlimited."""
+    """The decision for a new connection while `open_connections` (normal and reserve) are open
+    (pure). `cap` 0 means unlimited."""
     if cap == 0 or open_connections < cap:
         return Admission.SERVE
     if open_connections < cap + reserve:
@@ -242,9 +275,19 @@ def descriptors_needed(cap: int, reserve: int = CONNECTION_RESERVE) -> int:
     return 2 * cap + reserve + DESCRIPTOR_HEADROOM
 
 
+def computed_cap(open_files: int, reserve: int = CONNECTION_RESERVE) -> int:
+    """The largest cap whose `descriptors_needed` fits in `open_files` (pure): `(open_files -
+    reserve - DESCRIPTOR_HEADROOM) // 2`, at least `MIN_COMPUTED_CAP`. An unlimited limit
+    (`resource.RLIM_INFINITY`, or anything negative) counts as `UNLIMITED_OPEN_FILES`."""
+    if open_files < 0 or open_files == resource.RLIM_INFINITY:
+        open_files = UNLIMITED_OPEN_FILES
+    return max(MIN_COMPUTED_CAP, (open_files - reserve - DESCRIPTOR_HEADROOM) // 2)
+
+
 @dataclass(eq=False)
 class _Slot:
     reserved: bool
+    refused: bool = False  # past the reserve: answered, then closed
     released: bool = False
 
 
@@ -252,7 +295,8 @@ class ConnectionLimit:
     """The open client connections of one listener, and what each new one gets (`admission`).
 
     Invariant: the normal slots in use are `min(open, cap)`; when a normal connection closes, the
-    oldest reserve connection (if any) takes its slot.
+    oldest reserve connection (if any) takes its slot. Connections past the reserve (`refusing`)
+    are counted apart: they take no slot and are never promoted.
     """
 
     def __init__(
@@ -270,14 +314,18 @@ class ConnectionLimit:
         self.refusal = refusal
         self.metrics = metrics
         self.open = 0
+        self.refusing = 0
         self._reserved: deque[_Slot] = deque()
 
-    def admit(self) -> _Slot | None:
-        """Count a new connection: its slot, or None when it must be closed."""
+    def admit(self) -> _Slot:
+        """Count a new connection: its slot (`refused` past the reserve: counted as a refusal
+        now, answered and closed by its gate)."""
         decision = admission(self.open, self.cap, self.reserve)
         if decision is Admission.REFUSE:
             self.refused("full")
-            return None
+            self.refusing += 1
+            self._publish()
+            return _Slot(reserved=False, refused=True)
         slot = _Slot(reserved=decision is Admission.RESERVE)
         if slot.reserved:
             self._reserved.append(slot)
@@ -290,6 +338,10 @@ class ConnectionLimit:
         if slot.released:
             return
         slot.released = True
+        if slot.refused:
+            self.refusing -= 1
+            self._publish()
+            return
         self.open -= 1
         if slot.reserved:
             self._reserved.remove(slot)
@@ -303,17 +355,20 @@ class ConnectionLimit:
 
     def _publish(self) -> None:
         if self.metrics is not None:
-            self.metrics.client_connections.set(self.open)
+            self.metrics.client_connections.set(self.open + self.refusing)
 
 
-class _ReserveGate:
-    """The app of a connection accepted in the reserve: probes pass; any other request is
-    answered 503 until the connection is promoted to a normal slot."""
+class _Gate:
+    """The app of a connection accepted in the reserve or past it: probes pass; any other request
+    is answered 503 `too_many_connections` with `Connection: close` (a reserve connection: until
+    it is promoted to a normal slot). Past the reserve its HTTP/2 side refuses every stream
+    instead (`REFUSES_STREAMS`, read by stargate/hypercorn_patches/h2.py)."""
 
     def __init__(self, app: AppWrapper, slot: _Slot, limit: ConnectionLimit) -> None:
         self.app = app
         self.slot = slot
         self.limit = limit
+        setattr(self, hypercorn_patches.REFUSES_STREAMS, slot.refused)
 
     async def __call__(
         self,
@@ -323,8 +378,10 @@ class _ReserveGate:
         sync_spawn: Callable[..., Any],
         call_soon: Callable[..., Any],
     ) -> None:
-        if scope["type"] == "http" and self.slot.reserved and scope["path"] not in PROBE_PATHS:
-            self.limit.refused("reserve")
+        limited = self.slot.reserved or self.slot.refused
+        if scope["type"] == "http" and limited and scope["path"] not in PROBE_PATHS:
+            if not self.slot.refused:  # a refused connection was counted when accepted
+                self.limit.refused("reserve")
             await _refuse(
                 scope,
                 send,
@@ -342,16 +399,16 @@ def limit_connections(config: HypercornConfig, limit: ConnectionLimit) -> None:
     """Count the connections of the listener served with `config` against `limit`, and reset its
     HTTP/2 streams answered before their request body (module docstring). Call before serving.
 
-    A connection is counted from its accept to the close of its socket; one the limit refuses is
-    closed at once, one in the reserve is served through `_ReserveGate`."""
+    A connection is counted from its accept to the close of its socket; one in the reserve is
+    served through `_Gate`, and so is one past it, which is closed `REFUSAL_DEADLINE` after its
+    accept at the latest."""
 
-    def admit(app: AppWrapper) -> tuple[AppWrapper, Callable[[], None]] | None:
+    def admit(app: AppWrapper) -> hypercorn_patches.Admitted:
         slot = limit.admit()
-        if slot is None:
-            return None
-        if slot.reserved:
-            app = cast(AppWrapper, _ReserveGate(app, slot, limit))
-        return app, functools.partial(limit.release, slot)
+        if slot.reserved or slot.refused:
+            app = cast(AppWrapper, _Gate(app, slot, limit))
+        release = functools.partial(limit.release, slot)
+        return hypercorn_patches.Admitted(app, release, REFUSAL_DEADLINE if slot.refused else None)
 
     hypercorn_patches.gate_connections(config, admit)
 
@@ -386,14 +443,51 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def check_open_file_limit(cap: int, reserve: int = CONNECTION_RESERVE) -> None:
-    """At start-up: raise the open-file limit, and warn if it is below `descriptors_needed`."""
+def connection_cap(configured: int | None, reserve: int = CONNECTION_RESERVE) -> int:
+    """At start-up: raise the open-file limit, and return the cap in force: `configured` when
+    given (0 = unlimited), warning if it may not fit (`check_open_file_limit`), else the one
+    computed from the limit (`computed_cap`), logged at INFO with its arithmetic."""
+    if configured is not None:
+        check_open_file_limit(configured, reserve)
+        return configured
+    soft = _raised_open_file_limit()
+    cap = computed_cap(soft, reserve)
+    unlimited = soft < 0 or soft == resource.RLIM_INFINITY
+    limit = f"unlimited, counted as {UNLIMITED_OPEN_FILES}" if unlimited else str(soft)
+    log.info(
+        "max client connections: %d, computed from the open-file limit (%s): (limit - %d reserve "
+        "- %d headroom) / 2 descriptors per connection (client and upstream)%s; "
+        "--max-client-connections sets it",
+        cap,
+        limit,
+        reserve,
+        DESCRIPTOR_HEADROOM,
+        f", at least {MIN_COMPUTED_CAP}" if cap == MIN_COMPUTED_CAP else "",
+    )
+    if not unlimited and soft < descriptors_needed(cap, reserve):
+        _warn_short(soft, cap, reserve)
+    return cap
+
+
+def _raised_open_file_limit() -> int:
     before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     soft = raise_open_file_limit()
     if soft != before:
         log.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d", before, soft)
+    return soft
+
+
+def check_open_file_limit(cap: int, reserve: int = CONNECTION_RESERVE) -> None:
+    """At start-up, for a cap given explicitly: raise the open-file limit, and warn if it is below
+    `descriptors_needed`."""
+    soft = _raised_open_file_limit()
     if cap == 0 or soft == resource.RLIM_INFINITY:
         return
+    if soft < descriptors_needed(cap, reserve):
+        _warn_short(soft, cap, reserve)
+
+
+def _warn_short(soft: int, cap: int, reserve: int) -> None:
     needed = descriptors_needed(cap, reserve)
     if soft < needed:
         log.warning(

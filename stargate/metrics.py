@@ -145,6 +145,11 @@ class ProxyMetrics:
     routing_duration: Histogram
     replay_buffer_bytes: Histogram
     in_flight: Gauge
+    # docs/outliers.md, "Metrics and logs".
+    outlier_ejections: Counter
+    outlier_ejections_refused: Counter
+    outlier_ejected: Gauge
+    slow_start_left_out: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry, prefix: str) -> ProxyMetrics:
@@ -233,6 +238,29 @@ class ProxyMetrics:
                 "Proxied requests in progress (including streams).",
                 registry=registry,
             ),
+            outlier_ejections=counter(
+                "outlier_ejections_total",
+                "Backends ejected from routing by outlier detection, by reason "
+                "(consecutive_5xx, consecutive_transport_failure).",
+                "inference_server_id",
+                "reason",
+            ),
+            outlier_ejections_refused=counter(
+                "outlier_ejections_refused_total",
+                "Ejections not made because --outlier-max-ejection-percent of the backends were "
+                "ejected already, by reason.",
+                "reason",
+            ),
+            outlier_ejected=Gauge(
+                f"{prefix}outlier_ejected_backends",
+                "Backends ejected by outlier detection now.",
+                registry=registry,
+            ),
+            slow_start_left_out=counter(
+                "slow_start_left_out_total",
+                "Routing decisions a backend in its slow-start window sat out.",
+                "inference_server_id",
+            ),
         )
 
     # The request path writes through these rather than `family.labels(**kwargs)`: each takes
@@ -279,6 +307,15 @@ class ProxyMetrics:
     def observe_replay_buffer(self, model: str, size: int) -> None:
         _child(self.replay_buffer_bytes, (model,)).observe(size)
 
+    def count_outlier_ejection(self, inference_server_id: str, reason: str) -> None:
+        _child(self.outlier_ejections, (inference_server_id, reason)).inc()
+
+    def count_outlier_ejection_refused(self, reason: str) -> None:
+        _child(self.outlier_ejections_refused, (reason,)).inc()
+
+    def count_slow_start_left_out(self, inference_server_id: str) -> None:
+        _child(self.slow_start_left_out, (inference_server_id,)).inc()
+
 
 def _child(family: Any, values: LabelValues) -> Any:
     """`family.labels(*values)`, found with one dict lookup when the series exists.
@@ -311,9 +348,10 @@ class HttpMetrics:
     def create(cls, registry: CollectorRegistry, prefix: str) -> HttpMetrics:
         refusals = Counter(
             f"{prefix}http_connection_refusals",
-            "Client connections refused on the HTTP listener: full (closed when accepted, past "
-            "--max-client-connections and the probe reserve), reserve (a non-probe request on a "
-            "reserve connection, answered 503).",
+            "Client connections refused on the HTTP listener: full (accepted past "
+            "--max-client-connections and the probe reserve, answered 503 or its HTTP/2 streams "
+            "refused, then closed), reserve (a non-probe request on a reserve connection, "
+            "answered 503).",
             labelnames=("reason",),
             registry=registry,
         )
@@ -636,6 +674,8 @@ class DepartedSeriesSweep:
             proxy.admission_rejections,
             proxy.routing_duration,
             proxy.replay_buffer_bytes,
+            proxy.outlier_ejections,
+            proxy.slow_start_left_out,
             metrics.active_inference_servers,
         ]
         self._families = {

@@ -42,7 +42,7 @@ from stargate.control_plane.registration import RegistrationConfig, Registration
 from stargate.control_plane.services import control_plane_app, model_discovery_app
 from stargate.gc_policy import tune_for_serving
 from stargate.health_probe import http_health_probe
-from stargate.http_limits import check_open_file_limit, limit_http_clients
+from stargate.http_limits import connection_cap, limit_http_clients
 from stargate.lifecycle import Lifecycle, Outcome
 from stargate.load_balancing.config import PREFIX_AWARE, lb_config_at_startup
 from stargate.metrics import (
@@ -198,6 +198,8 @@ class Replica:
         )
         self.publisher: WatchPublisher | None = None
         self.bound: BoundAddresses | None = None
+        # --max-client-connections, or computed from the open-file limit in run()
+        self.max_client_connections = config.max_client_connections or 0
         self.admin_app = replica_admin_app(
             config,
             self.readiness,
@@ -258,7 +260,7 @@ class Replica:
         publisher, the worker-auth gateway or the trace exporter cannot start).
         """
         log.info("starting stargate version=%s %s", __version__, describe(self.config))
-        check_open_file_limit(self.config.max_client_connections)
+        self.max_client_connections = connection_cap(self.config.max_client_connections)
         bound, sockets = bind_replica(self.config)
         self.bound = bound
         with closed_on_failure(sockets):
@@ -315,6 +317,7 @@ class Replica:
         self.shutdown.attach(services)
         if self.config.warmup.enabled:
             services.start_soon(self.readiness.run_warmup, self.routing.total_active_backend_count)
+        services.start_soon(self._settle_initial_fleet)
         await services.start(self.shutdown.critical, "WatchStargates publisher", publisher.run)
         await services.start(self.tunnels.run)
         services.start_soon(self._connections.expire_idle, self.upstream.config.idle_expiry)
@@ -380,7 +383,7 @@ class Replica:
             limit_http=functools.partial(
                 limit_http_clients,
                 body_timeout=config.request_body_timeout_seconds,
-                max_connections=config.max_client_connections,
+                max_connections=self.max_client_connections,
                 refusal=functools.partial(
                     limit_answer, accept_openai_requests=config.proxy.accept_openai_requests
                 ),
@@ -419,9 +422,17 @@ class Replica:
         """After each series sweep, drop the per-backend state no live registration needs, so a
         replica whose backends come and go returns to its baseline (docs/data-plane.md,
         "Per-backend connections"): idle connections, and the forwarder's counters and balancers
-        of clusters and targets that are gone."""
+        of clusters and targets that are gone; and the outlier records of departed backends
+        (ejections that are due end here too when no request comes: docs/outliers.md)."""
         self._connections.close_idle_except(r.identity.url for r in self.routing.registrations())
         self.forwarder.forget_departed()
+        self.forwarder.sweep_outliers()
+
+    async def _settle_initial_fleet(self) -> None:
+        """When warmup ends (at once without one), the backends registered so far are the
+        initial fleet: they never ramp (docs/outliers.md, "Slow start")."""
+        await self.readiness.wait_warm()
+        self.forwarder.slow_start.settle(trio.current_time())
 
     def _refresh_backend_connections(self) -> None:
         """Before each `/metrics` render: every registered backend's upstream connections."""

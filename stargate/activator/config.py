@@ -10,6 +10,8 @@ The file is YAML, read once at startup:
         activation: wait           # optional: wait | Wait | ifIdle | IfIdle, default wait
         holdBudget: 60s            # optional, default: the swap budget
         maxHeld: 1000              # optional, > 0
+        breakerFailures: 3         # optional, >= 0 (0: off), default --pool-breaker-failures
+        breakerCooldown: 30s       # optional, > 0, default --pool-breaker-cooldown-ms
         controller:
           kind: process            # process | kubernetes | fake
           members:
@@ -92,6 +94,8 @@ _POOL_KEYS: Final = (
     "activation",
     "holdBudget",
     "maxHeld",
+    "breakerFailures",
+    "breakerCooldown",
     "controller",
 )
 _CONTROLLER_KEYS: Final = ("kind", "members", "namespace")
@@ -433,6 +437,10 @@ def _parse_pool(raw: object, index: int) -> PoolConfig:
     hold_budget = _optional_duration(raw, "holdBudget", where)
     mode = _activation(raw.get("activation"), f"{where}.activation")
     max_held = _max_held(raw.get("maxHeld"), f"{where}.maxHeld")
+    breaker_failures = _breaker_failures(raw.get("breakerFailures"), f"{where}.breakerFailures")
+    breaker_cooldown = _optional_duration(raw, "breakerCooldown", where)
+    if breaker_cooldown is not None and breaker_cooldown <= 0:
+        raise PoolConfigError(f"{where}.breakerCooldown: must be > 0")
 
     if raw.get("controller") is None:
         raise PoolConfigError(f"{where}: missing required key 'controller'")
@@ -447,6 +455,8 @@ def _parse_pool(raw: object, index: int) -> PoolConfig:
             hold_budget=hold_budget,
             max_held=max_held,
             namespace=controller.namespace or "default",
+            breaker_failures=breaker_failures,
+            breaker_cooldown=breaker_cooldown,
         )
         return PoolConfig(spec, controller)
     except ValueError as exc:  # pragma: no cover - the checks above come first
@@ -507,6 +517,15 @@ def _max_held(raw: object, where: str) -> int:
         raise PoolConfigError(f"{where}: expected a positive integer, got {raw!r}")
     if raw <= 0:
         raise PoolConfigError(f"{where}: must be > 0, got {raw}")
+    return raw
+
+
+def _breaker_failures(raw: object, where: str) -> int | None:
+    """A pool's override of `--pool-breaker-failures` (docs/activator.md, "Breaker")."""
+    if raw is None:
+        return None
+    if not is_integer(raw) or raw < 0:
+        raise PoolConfigError(f"{where}: expected an integer >= 0 (0: off), got {raw!r}")
     return raw
 
 

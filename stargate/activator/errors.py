@@ -2,7 +2,10 @@
 
 Upstream (LLMKube router-proxy) maps its sentinels in the proxy handler (docs/activator.md, Errors);
 here each error carries its own `status`, `code` and `retry_after` so the proxy integration only
-reads them. Only `HoldTimeout`, `IncumbentBusy` and `PoolQueueFull` are retryable (Retry-After: 5).
+reads them. The 503s carry Retry-After. `retry_after` is an instance value, set where the error is
+raised from the member's measured swap time (docs/activator.md, "Measured waiting"); the class
+constants (`RETRY_AFTER_SECONDS`, 5 s, as upstream's fixed value) are the fallback while nothing
+is measured. `PoolMemberUnavailable` is the member's breaker, open after repeated failed swaps.
 
 With several replicas sharing pools (docs/pool-ownership.md), only a pool's owner decides for it:
 `PoolOwnedElsewhere` tells the proxy to relay the request to the owner, `NoPoolOwner` that no owner
@@ -18,6 +21,7 @@ __all__ = [
     "HoldTimeout",
     "IncumbentBusy",
     "NoPoolOwner",
+    "PoolMemberUnavailable",
     "PoolOwnedElsewhere",
     "PoolOwnerMoved",
     "PoolQueueFull",
@@ -35,10 +39,15 @@ class ActivatorError(Exception):
     code: str = "pool_error"
     retry_after: int | None = None
 
-    def __init__(self, message: str, *, pool: str, member: str) -> None:
+    def __init__(
+        self, message: str, *, pool: str, member: str, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.pool = pool
         self.member = member
+        if retry_after is not None:
+            # Computed where raised; else the class constant stays (the fallback).
+            self.retry_after = retry_after
 
 
 class HoldTimeout(ActivatorError):
@@ -75,6 +84,16 @@ class PoolQueueFull(ActivatorError):
 
     status = 503
     code = "pool_queue_full"
+    retry_after = RETRY_AFTER_SECONDS
+
+
+class PoolMemberUnavailable(ActivatorError):
+    """The member's breaker is open: its last swaps failed in a row, so no swap is started and
+    nothing is held until its cooldown ends (docs/activator.md, "Breaker"). The message names the
+    last failure; `retry_after` is the time until the breaker half-opens."""
+
+    status = 503
+    code = "pool_member_unavailable"
     retry_after = RETRY_AFTER_SECONDS
 
 

@@ -6,6 +6,9 @@ Label sets follow docs/activator.md, "Metrics" (`resident` is labelled by namesp
 Two series are stargate's own, for pools shared by several replicas (docs/pool-ownership.md), kept
 under the same prefix so one dashboard query finds every pool series: `owned` (1 on the replica
 that owns the pool) and `relayed_requests_total` (requests handed to the owner, by outcome).
+Three more are stargate's measured waiting (docs/activator.md, "Measured waiting"):
+`swap_time_estimate_seconds` (the per-member swap-time EWMA behind Retry-After),
+`breaker_state` (0 closed, 1 half-open, 2 open) and `breaker_openings_total`.
 Bucket deviation: upstream's swap-duration buckets stop at 512 s and hold-duration buckets at
 204.8 s, below the default 300 s swap budget; the same buckets are kept and extended to 1200 s.
 """
@@ -36,6 +39,9 @@ class ActivatorMetrics:
     swap_failures: Counter  # member, pool, reason, router
     owned: Gauge  # pool, router
     relayed: Counter  # outcome, pool, router
+    swap_time_estimate: Gauge  # member, pool, router
+    breaker_state: Gauge  # member, pool, router
+    breaker_openings: Counter  # member, pool, router
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ActivatorMetrics:
@@ -102,6 +108,27 @@ class ActivatorMetrics:
                 "Pool requests this replica did not own, by final outcome (relayed to the owner, "
                 "served locally after ownership moved here, or refused).",
                 labelnames=("outcome", "pool", "router"),
+                registry=registry,
+            ),
+            swap_time_estimate=Gauge(
+                "llmkube_modelpool_swap_time_estimate_seconds",
+                "EWMA of the member's successful swap durations (start to resident), the base of "
+                "the Retry-After of the pool's 503s.",
+                labelnames=per_member,
+                registry=registry,
+            ),
+            breaker_state=Gauge(
+                "llmkube_modelpool_breaker_state",
+                "The member's swap breaker: 0 closed, 1 half-open (its probe swap runs), 2 open "
+                "(requests fail fast, no swap starts).",
+                labelnames=per_member,
+                registry=registry,
+            ),
+            breaker_openings=Counter(
+                "llmkube_modelpool_breaker_openings_total",
+                "Times the member's breaker opened after consecutive failed swaps (or a failed "
+                "probe).",
+                labelnames=per_member,
                 registry=registry,
             ),
         )

@@ -18,6 +18,11 @@ state reads. The cleanup being synchronous also means a cancelled caller never w
 
 Swaps and deferred deactivates run in the activator's own nursery (`run`), never under a request.
 
+Measured waiting (docs/activator.md, "Measured waiting" and "Breaker"): the pure rules are in
+`waiting.py` and their transitions in `state.py`; this driver only passes the time in, computes a
+503's Retry-After where it raises it (`_retry_after`), calls `on_hold` outside the lock, and logs
+and publishes the breaker's changes.
+
 Ownership (docs/pool-ownership.md, "The activator with an owner"): with several replicas only a
 pool's owner decides for it. A decision is allowed while `_decides(pool)`: the watcher task has
 applied "this replica owns the pool" (`_Pool.owned`, which also means the residency belief was
@@ -44,6 +49,7 @@ from stargate.activator.errors import (
     HoldTimeout,
     IncumbentBusy,
     NoPoolOwner,
+    PoolMemberUnavailable,
     PoolOwnedElsewhere,
     PoolQueueFull,
     SwapFailed,
@@ -65,6 +71,7 @@ from stargate.activator.state import (
     count_grant,
     decide,
     end_swap,
+    expected_wait,
     forget_on_ownership_change,
     forget_on_ownership_gain,
     forget_on_ownership_loss,
@@ -81,14 +88,22 @@ from stargate.activator.state import (
     request_swap_cancel,
     resolve_hold_budget,
     resolve_swap_deadline,
+    settle_breaker,
     take_swap_error,
 )
+from stargate.activator.waiting import (
+    BREAKER_GAUGE,
+    BreakerPhase,
+    BreakerPolicy,
+    retry_after_seconds,
+)
 
-__all__ = ["Activator", "Grant", "PoolSpec"]
+__all__ = ["Activator", "Grant", "OnHold", "PoolSpec"]
 
 log = logging.getLogger(__name__)
 
 BeforeDeactivateHook = Callable[[str, str], Awaitable[None]]
+OnHold = Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +114,9 @@ class PoolSpec:
     `hold_budget`: how long one acquire may wait (None: the swap budget, else the response-header
     timeout). `default_mode`: the activation mode when `acquire` gets none. `max_held`: at most
     this many requests held per pool before `PoolQueueFull`. `namespace`: the `resident` gauge's
-    label (LLMKube labels it by namespace).
+    label (LLMKube labels it by namespace). `breaker_failures` and `breaker_cooldown`: this pool's
+    override of the activator's breaker policy (None: the activator's; docs/activator.md,
+    "Breaker").
     """
 
     name: str
@@ -109,6 +126,8 @@ class PoolSpec:
     hold_budget: float | None = None
     max_held: int = 1000
     namespace: str = "default"
+    breaker_failures: int | None = None
+    breaker_cooldown: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", tuple(self.members))
@@ -120,19 +139,31 @@ class PoolSpec:
             raise ValueError(f"pool {self.name!r}: unknown activation mode {self.default_mode!r}")
         if self.max_held < 0:
             raise ValueError(f"pool {self.name!r}: max_held must be >= 0")
+        if self.breaker_failures is not None and self.breaker_failures < 0:
+            raise ValueError(f"pool {self.name!r}: breaker_failures must be >= 0")
+        if self.breaker_cooldown is not None and self.breaker_cooldown <= 0:
+            raise ValueError(f"pool {self.name!r}: breaker_cooldown must be > 0")
 
 
 class Grant:
     """The right to send one request to `member`. Call `release()` exactly once, when the response
     body ends (or dispatch fails). A second call is a logged no-op, never another request's count.
-    Also a (sync) context manager."""
+    Also a (sync) context manager.
 
-    __slots__ = ("_pool", "_released", "member", "pool")
+    `hold_seconds`: how long the `acquire` waited (0.0 on an immediate grant); `swap_seconds`: how
+    long the swap it waited for took to make the member resident (0.0 if it waited for none). The
+    proxy reports both in `Server-Timing` (docs/activator.md, "Measured waiting")."""
 
-    def __init__(self, pool: _Pool, member: str) -> None:
+    __slots__ = ("_pool", "_released", "hold_seconds", "member", "pool", "swap_seconds")
+
+    def __init__(
+        self, pool: _Pool, member: str, *, hold_seconds: float = 0.0, swap_seconds: float = 0.0
+    ) -> None:
         self._pool = pool
         self.pool = pool.spec.name
         self.member = member
+        self.hold_seconds = hold_seconds
+        self.swap_seconds = swap_seconds
         self._released = False
 
     @property
@@ -170,21 +201,29 @@ class _Acquire:
     hold_start: float
     deadline: float
     first_pass: bool = True  # the first pass decided as owner: reconcile, check the queue bound
-    schedule_cleanup: bool = True  # False: it held nothing (the queue was full)
+    schedule_cleanup: bool = True  # False: it held nothing (the queue was full, breaker open)
     waiting_for_owner: bool = False  # the last pass found another owner, or none
+    on_hold: OnHold | None = None  # called once, when the call first waits
+    awaited: SwapState | None = None  # the latest swap toward `member` this call waited for
 
 
 class _Pool:
     """One pool's runtime: spec, lock, state and change broadcast."""
 
     def __init__(
-        self, spec: PoolSpec, controller: MemberController, router: str, *, owned: bool
+        self,
+        spec: PoolSpec,
+        controller: MemberController,
+        router: str,
+        *,
+        owned: bool,
+        breaker: BreakerPolicy,
     ) -> None:
         self.spec = spec
         self.controller = controller
         self.router = router
         self.lock = trio.Lock()
-        self.state = PoolState(members=spec.members)
+        self.state = PoolState(members=spec.members, breaker_policy=breaker)
         self.changed = trio.Event()
         self.swap_scope: trio.CancelScope | None = None
         self.metrics: ActivatorMetrics | None = None
@@ -224,6 +263,12 @@ class _Pool:
                 member=member, pool=self.spec.name, router=self.router
             ).set(self.state.waiting.get(member, 0))
 
+    def publish_breaker(self, member: str, phase: BreakerPhase) -> None:
+        if self.metrics is not None:
+            self.metrics.breaker_state.labels(
+                member=member, pool=self.spec.name, router=self.router
+            ).set(BREAKER_GAUGE[phase])
+
     def publish_resident(self) -> None:
         if self.metrics is not None:
             for member in self.spec.members:
@@ -246,6 +291,8 @@ class Activator:
         response_header_timeout: float = 30.0,
         resync_interval: float = 5.0,
         controller_timeout: float = 10.0,
+        breaker_failures: int = 3,
+        breaker_cooldown: float = 30.0,
         before_deactivate: BeforeDeactivateHook | None = None,
         # Stateless and never changing, so one shared default is safe.
         ownership: PoolOwnership = LocalOwnership(),  # noqa: B008
@@ -270,7 +317,15 @@ class Activator:
             controller = controllers.get(spec.name)
             if controller is None:
                 raise ValueError(f"pool {spec.name!r} has no member controller")
-            pool = _Pool(spec, controller, self._router, owned=self._local)
+            breaker = BreakerPolicy(
+                failures=breaker_failures
+                if spec.breaker_failures is None
+                else spec.breaker_failures,
+                cooldown=breaker_cooldown
+                if spec.breaker_cooldown is None
+                else spec.breaker_cooldown,
+            )
+            pool = _Pool(spec, controller, self._router, owned=self._local, breaker=breaker)
             pool.metrics = metrics
             for member in spec.members:
                 other = self._by_member.get(member)
@@ -419,6 +474,18 @@ class Activator:
         spec = self._pools[pool].spec
         return resolve_swap_deadline(spec.swap_budget, self._response_header_timeout)
 
+    def expected_wait(self, model: str) -> float | None:
+        """Seconds a request for `model` is expected to wait now for it to be resident: 0.0 when it
+        is resident, the rest of its swap-time EWMA while a swap toward it runs (a tenth of the
+        EWMA once the swap overran it, never negative), its EWMA when a swap would be needed (plus
+        the rest of a swap toward another member, and the time until an open breaker
+        half-opens), None when none of its swaps was measured yet, or `model` is not pooled.
+        O(1), no I/O (docs/activator.md, "Measured waiting")."""
+        pool = self._by_member.get(model)
+        if pool is None:
+            return None
+        return expected_wait(pool.state, model, trio.current_time())
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per-pool debugging view; plain data, safe to JSON-encode."""
         now = _now_or_none()
@@ -454,6 +521,14 @@ class Activator:
                 "owner": _describe(pool.owner),
                 "swaps_started": st.swaps_started,
                 "deactivates_skipped": st.deactivates_skipped,
+                "swap_time_estimates": {
+                    m: round(t.ewma, 3) for m, t in st.swap_times.items() if t.samples
+                },
+                "breakers": {
+                    m: b.phase(now).value
+                    for m, b in st.breakers.items()
+                    if now is not None and b.open_until is not None
+                },
             }
         return out
 
@@ -470,15 +545,25 @@ class Activator:
 
     @asynccontextmanager
     async def hold(
-        self, model: str, mode: Mode | None = None, *, hold_budget: float | None = None
+        self,
+        model: str,
+        mode: Mode | None = None,
+        *,
+        hold_budget: float | None = None,
+        on_hold: OnHold | None = None,
     ) -> AsyncIterator[Grant]:
         """`async with activator.hold(model) as grant:`: acquire, and release on exit."""
-        grant = await self.acquire(model, mode, hold_budget=hold_budget)
+        grant = await self.acquire(model, mode, hold_budget=hold_budget, on_hold=on_hold)
         with grant:
             yield grant
 
     async def acquire(
-        self, model: str, mode: Mode | None = None, *, hold_budget: float | None = None
+        self,
+        model: str,
+        mode: Mode | None = None,
+        *,
+        hold_budget: float | None = None,
+        on_hold: OnHold | None = None,
     ) -> Grant:
         """Wait until `model` may be sent a request, then count it in flight (docs/activator.md,
         Acquire).
@@ -489,7 +574,14 @@ class Activator:
         moves there while this call waits) and `NoPoolOwner` (no replica owned it within the
         hold budget). A cancellation from the caller propagates as `trio.Cancelled`. The grant is
         counted in flight in the same checkpoint-free step that returns it, so a caller cancelled
-        while being granted never strands a count.
+        while being granted never strands a count. `PoolMemberUnavailable` at once while the
+        member's breaker is open (docs/activator.md, "Breaker").
+
+        `on_hold`: called once, synchronously and without the pool lock, when the call starts to
+        wait (the member is not resident: a swap is needed, running, or queued behind a busy
+        incumbent, or the pool has no owner yet); never on an immediate grant or error. If it
+        raises, the call ends with that error (cleaned up as any exit). The 503s it raises carry
+        a Retry-After computed from the member's swap times (`expected_wait`).
         """
         pool = self._pool_for(model)
         if self._nursery is None:
@@ -499,7 +591,7 @@ class Activator:
             raise ValueError(f"unknown activation mode {mode!r}")
         hold = hold_budget if hold_budget is not None else self.hold_budget(model)
         hold_start = trio.current_time()
-        call = _Acquire(model, mode, hold_start, hold_start + hold)
+        call = _Acquire(model, mode, hold_start, hold_start + hold, on_hold=on_hold)
         add_waiter(pool.state, model)
         pool.publish_held(model)
         try:
@@ -510,6 +602,11 @@ class Activator:
                         if grant is not None:
                             return grant  # no checkpoint from here to the caller
                         changed = pool.changed  # snapshot under the lock: no lost wakeup
+                    if call.on_hold is not None:
+                        # Starting to wait: once, outside the lock; nothing can be missed, the
+                        # event was taken under the lock.
+                        on_hold_once, call.on_hold = call.on_hold, None
+                        on_hold_once()
                     await changed.wait()
             # Only our own hold deadline lands here; a caller's cancel propagates as Cancelled.
             raise self._hold_expired(pool, call)
@@ -533,39 +630,72 @@ class Activator:
         if call.first_pass and reconcile_resident(st, is_available, now, self._resync_interval):
             pool.publish_resident()
         max_held = pool.spec.max_held if call.first_pass else None
-        decision = decide(st, member, call.mode, max_held=max_held)
+        decision = decide(st, member, call.mode, max_held=max_held, now=now)
         call.first_pass = False
         if decision is Decision.GRANT:
             count_grant(st, member)
             if self._metrics is not None:
                 labels = {"member": member, "pool": name, "router": self._router}
                 self._metrics.coalesced.labels(**labels).inc()
-            return Grant(pool, member)
+            awaited = call.awaited
+            return Grant(
+                pool,
+                member,
+                hold_seconds=now - call.hold_start,
+                swap_seconds=0.0 if awaited is None else awaited.seconds,
+            )
         if decision is Decision.SWAP_ERROR:
             message, reason = take_swap_error(st, member)
             raise SwapFailed(message, pool=name, member=member, reason=reason)
+        if decision is Decision.BREAKER_OPEN:
+            call.schedule_cleanup = False  # fails fast: it started and held nothing
+            breaker = st.breakers[member]
+            message = (
+                f"model pool {name} member {member} is unavailable after {breaker.failures} "
+                f"failed swaps in a row; last: {breaker.reason}"
+            )
+            retry_after = retry_after_seconds(
+                breaker.until_half_open(now), PoolMemberUnavailable.retry_after or 1
+            )
+            raise PoolMemberUnavailable(message, pool=name, member=member, retry_after=retry_after)
         if decision is Decision.BUSY:
             if self._metrics is not None:
                 labels = {"member": member, "pool": name, "router": self._router}
                 self._metrics.busy_skips.labels(**labels).inc()
             message = "model pool incumbent busy; swap not started"
-            raise IncumbentBusy(message, pool=name, member=member)
+            retry_after = self._retry_after(pool, member, now, IncumbentBusy)
+            raise IncumbentBusy(message, pool=name, member=member, retry_after=retry_after)
         if decision is Decision.QUEUE_FULL:
             call.schedule_cleanup = False  # this request started and held nothing
             message = f"model pool {name} already holds {pool.spec.max_held} requests"
-            raise PoolQueueFull(message, pool=name, member=member)
+            retry_after = self._retry_after(pool, member, now, PoolQueueFull)
+            raise PoolQueueFull(message, pool=name, member=member, retry_after=retry_after)
         if decision is Decision.START_SWAP:
             self._start_swap(pool, member, call.hold_start)
+        swap = st.swap
+        if swap is not None and swap.target == member:
+            call.awaited = swap  # the swap this call waits for (its duration goes in the grant)
         return None
+
+    def _retry_after(
+        self, pool: _Pool, member: str, now: float, error: type[ActivatorError]
+    ) -> int:
+        """A 503's Retry-After: the member's expected wait, rounded up and bounded, or the error
+        class's constant while nothing is measured (docs/activator.md, "Measured waiting")."""
+        fallback = error.retry_after or 1
+        return retry_after_seconds(expected_wait(pool.state, member, now), fallback)
 
     def _hold_expired(self, pool: _Pool, call: _Acquire) -> ActivatorError:
         """The error for an acquire whose hold budget ran out."""
         name = pool.spec.name
+        now = trio.current_time()
         if call.waiting_for_owner:
             message = f"no replica owned model pool {name} within the hold budget"
-            return NoPoolOwner(message, pool=name, member=call.member)
+            retry_after = self._retry_after(pool, call.member, now, NoPoolOwner)
+            return NoPoolOwner(message, pool=name, member=call.member, retry_after=retry_after)
         message = "model pool activation hold budget exceeded"
-        return HoldTimeout(message, pool=name, member=call.member)
+        retry_after = self._retry_after(pool, call.member, now, HoldTimeout)
+        return HoldTimeout(message, pool=name, member=call.member, retry_after=retry_after)
 
     def _raise_if_owned_elsewhere(self, pool: _Pool, member: str, deadline: float) -> None:
         """`PoolOwnedElsewhere` when another replica owns `pool` and can be reached."""
@@ -610,7 +740,8 @@ class Activator:
         # F3 (docs/activator.md): every swap runs under a deadline.
         scope = trio.CancelScope(deadline=deadline)
         self._spawn(self._run_swap, pool, swap, scope)
-        begin_swap(pool.state, swap)
+        if begin_swap(pool.state, swap):
+            pool.publish_breaker(target, BreakerPhase.HALF_OPEN)  # the probe (docs: Breaker)
         pool.swap_scope = scope
         pool.notify()
 
@@ -664,6 +795,7 @@ class Activator:
                 if not end_swap(pool.state, swap, outcome, now=now, error=error):
                     return  # F2 (docs/activator.md): superseded; never touch a newer swap's state
                 pool.swap_scope = None
+                self._settle_breaker(pool, swap, outcome, now)
                 if outcome is SwapOutcome.SUCCESS:
                     self._report_swap(pool, swap, now, t0)
                     pool.publish_resident()
@@ -680,11 +812,47 @@ class Activator:
             finally:
                 pool.notify()
 
+    def _settle_breaker(
+        self, pool: _Pool, swap: SwapState, outcome: SwapOutcome, now: float
+    ) -> None:
+        """The target's breaker learns the outcome (`settle_breaker`); one log line and the
+        metrics per opening and closing (docs/activator.md, "Breaker")."""
+        target, name = swap.target, pool.spec.name
+        change = settle_breaker(pool.state, swap, outcome, now=now)
+        breaker = pool.state.breakers.get(target)
+        if change == "opened" and breaker is not None:
+            log.warning(
+                "model pool breaker opened",
+                extra={
+                    "pool": name,
+                    "member": target,
+                    "failures": breaker.failures,
+                    "openings": breaker.openings,
+                    "cooldown": round(breaker.until_half_open(now), 3),
+                    "reason": breaker.reason,
+                },
+            )
+            if self._metrics is not None:
+                self._metrics.breaker_openings.labels(
+                    member=target, pool=name, router=self._router
+                ).inc()
+            pool.publish_breaker(target, BreakerPhase.OPEN)
+        elif change == "closed":
+            log.info("model pool breaker closed", extra={"pool": name, "member": target})
+            pool.publish_breaker(target, BreakerPhase.CLOSED)
+        elif swap.probe and breaker is not None:
+            pool.publish_breaker(target, breaker.phase(now))  # a cancelled probe
+
     def _report_swap(self, pool: _Pool, swap: SwapState, now: float, t0: float) -> None:
         """The metrics of a successful swap."""
         if self._metrics is None:
             return
         m, name, router = self._metrics, pool.spec.name, self._router
+        times = pool.state.swap_times.get(swap.target)
+        if times is not None:
+            m.swap_time_estimate.labels(member=swap.target, pool=name, router=router).set(
+                times.ewma
+            )
         m.swaps.labels(
             **{"from": swap.incumbent or ""}, pool=name, router=router, to=swap.target
         ).inc()

@@ -19,7 +19,10 @@ The transitions, by event (each documents its contract):
 * the deferred deactivate: `request_deactivate`, `record_deactivate_task`, `claim_deactivate`
   (whose re-check is `deactivate_skip_reason`);
 * ownership and lifetime: `forget_on_ownership_gain`, `forget_on_ownership_change`,
-  `forget_on_ownership_loss`, `forget_on_stop`.
+  `forget_on_ownership_loss`, `forget_on_stop`;
+* measured waiting (docs/activator.md, "Measured waiting"): `end_swap` feeds the member's
+  swap-time EWMA, `begin_swap` marks a breaker probe, `settle_breaker` opens or closes the
+  member's breaker, `decide` fails fast while it is open; `expected_wait` reads the estimate.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from stargate.activator.waiting import (
+    Breaker,
+    BreakerPolicy,
+    SwapTime,
+    remaining_swap_time,
+)
 
 __all__ = [
     "Decision",
@@ -44,6 +54,7 @@ __all__ = [
     "deactivate_skip_reason",
     "decide",
     "end_swap",
+    "expected_wait",
     "forget_on_ownership_change",
     "forget_on_ownership_gain",
     "forget_on_ownership_loss",
@@ -60,6 +71,7 @@ __all__ = [
     "request_swap_cancel",
     "resolve_hold_budget",
     "resolve_swap_deadline",
+    "settle_breaker",
     "take_swap_error",
 ]
 
@@ -83,6 +95,13 @@ class SwapState:
     # Why the swap scope was cancelled, first cause wins (docs/activator.md, Swap). None while not
     # cancelled; a scope that caught its own deadline with no recorded reason ended by "deadline".
     cancel_reason: CancelReason | None = None
+    ended_at: float | None = None  # set by a successful `end_swap`: the target became resident
+    probe: bool = False  # the half-open probe of the target's breaker (`begin_swap`)
+
+    @property
+    def seconds(self) -> float:
+        """How long the swap took to make its target resident; 0.0 until it has."""
+        return 0.0 if self.ended_at is None else self.ended_at - self.started_at
 
 
 @dataclass(slots=True)
@@ -103,6 +122,16 @@ class PoolState:
     # Counters for tests and the debugging snapshot.
     swaps_started: int = 0
     deactivates_skipped: int = 0
+    # Measured waiting (stargate/activator/waiting.py): per member, created on first use.
+    swap_times: dict[str, SwapTime] = field(default_factory=dict)
+    breakers: dict[str, Breaker] = field(default_factory=dict)
+    breaker_policy: BreakerPolicy = field(default_factory=BreakerPolicy)
+
+    def breaker(self, member: str) -> Breaker:
+        breaker = self.breakers.get(member)
+        if breaker is None:
+            breaker = self.breakers[member] = Breaker()
+        return breaker
 
     @property
     def swapping(self) -> bool:
@@ -123,6 +152,7 @@ class Decision(enum.Enum):
     START_SWAP = "start_swap"  # start a swap toward m (`new_swap`, `begin_swap`), then wait
     BUSY = "busy"  # if_idle and the incumbent is busy: raise at once
     QUEUE_FULL = "queue_full"  # the first pass found `max_held` others held: raise at once
+    BREAKER_OPEN = "breaker_open"  # the member's breaker is open: raise at once, start nothing
     WAIT = "wait"  # sleep on the change event
 
 
@@ -132,19 +162,34 @@ def add_waiter(state: PoolState, member: str) -> None:
     state.waiting[member] = state.waiting.get(member, 0) + 1
 
 
-def decide(state: PoolState, member: str, mode: Mode, *, max_held: int | None = None) -> Decision:
+def decide(
+    state: PoolState,
+    member: str,
+    mode: Mode,
+    *,
+    max_held: int | None = None,
+    now: float | None = None,
+) -> Decision:
     """One pass of the acquire loop, lock held; reads only.
 
     `max_held`: the pool's bound on held requests, passed on the caller's first pass only (the
     caller is already counted as a waiter): a caller that would wait or start a swap beyond it
     gets `QUEUE_FULL` instead, while a swap error, a grant and a busy answer come first.
+
+    `now` (None: breakers are not consulted): a member whose breaker is open gets
+    `BREAKER_OPEN` unless it is granted on the fast path (it is resident after all); a swap error
+    still comes first, so the waiter of the failure that opened it sees that failure.
     """
     if member in state.swap_err:
         return Decision.SWAP_ERROR
     decision = Decision.WAIT
+    if state.swap is None and state.resident == member:
+        return Decision.GRANT
+    if now is not None:
+        breaker = state.breakers.get(member)
+        if breaker is not None and breaker.blocks(now):
+            return Decision.BREAKER_OPEN
     if state.swap is None:
-        if state.resident == member:
-            return Decision.GRANT
         if not in_flight_elsewhere(state, member):
             decision = Decision.START_SWAP
         elif mode == "if_idle":
@@ -236,14 +281,18 @@ def new_swap(
     )
 
 
-def begin_swap(state: PoolState, swap: SwapState) -> None:
+def begin_swap(state: PoolState, swap: SwapState) -> bool:
     """A swap's task was started (docs/activator.md, Swap): it owns the state from now on (the fast
     path closes), its generation is current, and the target's old swap error is cleared. The
-    driver notifies."""
+    driver notifies. Returns True when the swap is the half-open probe of the target's breaker
+    (`decide` only lets a swap start toward a member whose breaker is closed or half-open)."""
     state.swap_gen = swap.gen
     state.swap = swap
     state.swaps_started += 1
     state.swap_err.pop(swap.target, None)
+    breaker = state.breakers.get(swap.target)
+    swap.probe = breaker is not None and breaker.swap_started(swap.started_at)
+    return swap.probe
 
 
 def request_swap_cancel(state: PoolState, *, now: float) -> bool:
@@ -270,11 +319,12 @@ def end_swap(
     """A swap's task finished with `outcome` (`classify_swap_end`), lock held (docs/activator.md,
     Swap). Returns False, touching nothing, when `swap` is no longer the current one (F2).
 
-    Otherwise the swap state is cleared and: SUCCESS makes the target resident, checked `now`;
-    CANCELLED changes nothing else (F5: the deferred deactivate scales it down); ABANDONED (F4)
-    and FAILED leave a one-shot swap error for the target's next waiter. For those two the driver
-    then logs and counts the failure, deactivates an abandoned target under the lock, and calls
-    `rederive_resident`.
+    Otherwise the swap state is cleared and: SUCCESS makes the target resident, checked `now`,
+    and feeds the target's swap-time EWMA with `now - started_at`; CANCELLED changes nothing else
+    (F5: the deferred deactivate scales it down); ABANDONED (F4) and FAILED leave a one-shot swap
+    error for the target's next waiter. For those two the driver then logs and counts the
+    failure, deactivates an abandoned target under the lock, and calls `rederive_resident`. The
+    driver then calls `settle_breaker` for every outcome.
     """
     if state.swap is not swap:
         return False
@@ -283,6 +333,11 @@ def end_swap(
     if outcome is SwapOutcome.SUCCESS:
         state.resident = target
         state.resident_checked_at = now
+        swap.ended_at = now
+        times = state.swap_times.get(target)
+        if times is None:
+            times = state.swap_times[target] = SwapTime()
+        times.record(now - swap.started_at)
     elif outcome is SwapOutcome.ABANDONED:
         state.swap_err[target] = (
             f"model pool swap to member {target} abandoned after {now - swap.started_at:.3f}s; "
@@ -292,6 +347,61 @@ def end_swap(
     elif outcome is SwapOutcome.FAILED:
         state.swap_err[target] = (f"model pool swap failed for member {target}: {error}", "error")
     return True
+
+
+BreakerChange = Literal["opened", "closed"]
+
+
+def settle_breaker(
+    state: PoolState, swap: SwapState, outcome: SwapOutcome, *, now: float
+) -> BreakerChange | None:
+    """After `end_swap` returned True: the target's breaker learns the outcome
+    (docs/activator.md, "Breaker"). SUCCESS closes it; FAILED and ABANDONED count a failure,
+    with the swap error's message as the reason, and open it after `breaker_policy.failures` in a
+    row (or at once after a failed probe, with a longer cooldown); CANCELLED gives no verdict.
+    Returns "opened" or "closed" when the breaker changed so (the driver logs and counts it)."""
+    target = swap.target
+    if outcome is SwapOutcome.SUCCESS:
+        breaker = state.breakers.get(target)
+        return "closed" if breaker is not None and breaker.succeeded() else None
+    if outcome is SwapOutcome.CANCELLED:
+        breaker = state.breakers.get(target)
+        if breaker is not None:
+            breaker.cancelled()
+        return None
+    message, _ = state.swap_err.get(target, (f"model pool swap to member {target} failed", ""))
+    opened = state.breaker(target).failed(state.breaker_policy, now, message)
+    return "opened" if opened else None
+
+
+def expected_wait(state: PoolState, member: str, now: float) -> float | None:
+    """Seconds a request for `member` is expected to wait now for it to be resident; reads only,
+    O(1) (docs/activator.md, "Measured waiting").
+
+    0.0 when it is resident and no swap runs. A swap toward it: the rest of its EWMA
+    (`remaining_swap_time`: a tenth of the EWMA once it overran). A swap toward another member:
+    that swap's rest (when that member is measured) plus `member`'s EWMA. Otherwise `member`'s
+    EWMA (a swap would be needed; a busy incumbent's drain is not counted). An open breaker adds
+    the time until it half-opens. None when `member`'s swaps were never measured (and it is not
+    resident).
+    """
+    swap = state.swap
+    if swap is None and state.resident == member:
+        return 0.0
+    times = state.swap_times.get(member)
+    if times is None or times.samples == 0:
+        return None
+    if swap is not None and swap.target == member:
+        return remaining_swap_time(times.ewma, now - swap.started_at)
+    wait = times.ewma
+    if swap is not None:
+        other = state.swap_times.get(swap.target)
+        if other is not None and other.samples > 0:
+            wait += remaining_swap_time(other.ewma, now - swap.started_at)
+    breaker = state.breakers.get(member)
+    if breaker is not None:
+        wait += breaker.until_half_open(now)
+    return wait
 
 
 def rederive_resident(
@@ -420,6 +530,8 @@ def forget_on_ownership_loss(state: PoolState) -> SwapState | None:
     state.swap_err.clear()
     state.resident = None
     state.resident_checked_at = None
+    if swap is not None and swap.probe:
+        state.breaker(swap.target).cancelled()  # no verdict: the next swap probes again
     return swap
 
 
@@ -441,7 +553,9 @@ def forget_on_ownership_change(state: PoolState) -> None:
 def forget_on_stop(state: PoolState) -> None:
     """The activator stopped (its nursery, which ran every swap and deferred deactivate, is gone):
     drop the swap and the pending deactivates, so the waiters the driver wakes find no swap to
-    wait for. The resident belief, counts and swap errors stay."""
+    wait for. The resident belief, counts, swap errors, swap times and breakers stay."""
+    if state.swap is not None and state.swap.probe:
+        state.breaker(state.swap.target).cancelled()
     state.swap = None
     state.pending_deactivate.clear()
 

@@ -276,6 +276,8 @@ class ReplicaPools:
             response_header_timeout=self._serve.proxy.response_header_timeout_ms / 1000,
             resync_interval=timing.resync_interval_ms / 1000,
             controller_timeout=timing.controller_timeout_ms / 1000,
+            breaker_failures=timing.breaker_failures,
+            breaker_cooldown=timing.breaker_cooldown_ms / 1000,
             ownership=ownership,
         )
         await services.start(activator.run)

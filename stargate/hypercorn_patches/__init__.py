@@ -38,9 +38,12 @@ from stargate.hypercorn_patches import table
 from stargate.hypercorn_patches.app import complete_response_before_disconnect
 from stargate.hypercorn_patches.h2 import leave
 from stargate.hypercorn_patches.limits import gate_connections
+from stargate.hypercorn_patches.state import REFUSES_STREAMS, Admitted
 from stargate.hypercorn_patches.table import Mode, Patch
 
 __all__ = [
+    "REFUSES_STREAMS",
+    "Admitted",
     "PatchTableMismatch",
     "complete_response_before_disconnect",
     "fingerprints",

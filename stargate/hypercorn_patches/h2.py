@@ -27,6 +27,7 @@ from priority.priority import MissingStreamError, PriorityError, TooManyStreamsE
 from stargate.h2_send_order import RoundRobin
 from stargate.hypercorn_patches import limits
 from stargate.hypercorn_patches.state import (
+    REFUSES_STREAMS,
     Rotation,
     listener,
     listener_if_any,
@@ -83,9 +84,10 @@ def handle_events(original: HandleEvents) -> HandleEvents:
       the connection task (pgjones/hypercorn#329). It is dropped, its bytes still returned to the
       flow-control window so the connection's other streams keep flowing, and the stream is reset
       with NO_ERROR (RFC 9113 §8.1) so the client stops sending.
-    * A new stream (`_receive_request`, Hypercorn's handling with two fixes): a full tree refuses
-      it with REFUSED_STREAM, and the rotation limit sends a graceful GOAWAY instead of h2's
-      `close_connection()`.
+    * A new stream (`_receive_request`, Hypercorn's handling with two fixes and a feature): a
+      full tree refuses it with REFUSED_STREAM, the rotation limit sends a graceful GOAWAY instead
+      of h2's `close_connection()`, and a connection admitted past the client-connection cap
+      (`state.REFUSES_STREAMS`) gets REFUSED_STREAM for each stream and a GOAWAY naming stream 0.
     * Every other event goes to Hypercorn's own handling.
     """
 
@@ -145,6 +147,16 @@ async def _receive_request(proto: H2Protocol, event: h2.events.RequestReceived) 
         proto.connection.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0})
         return
     rotation = rotation_of(proto)
+    if rotation is None and getattr(proto.app, REFUSES_STREAMS, False):
+        # Admitted only to be told it is full (limits.py): this stream is refused, then GOAWAY
+        # names stream 0, so nothing was processed and every request may be retried elsewhere
+        # (RST_STREAM first: a client may take nothing after a GOAWAY); later streams are refused
+        # below. The connection closes when the client leaves, or at its deadline: not at once,
+        # since a close with the client's next frames (its SETTINGS ACK) unread would reset the
+        # connection and could lose the GOAWAY before the client has read it.
+        _refuse(proto, stream_id)
+        await _begin_rotation(proto, 0)
+        return
     if rotation is not None and stream_id > rotation.last_stream_id:
         _refuse(proto, stream_id)  # sent before the client saw our GOAWAY; it may retry
         return

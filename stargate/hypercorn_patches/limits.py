@@ -5,7 +5,9 @@ A listener registered with `gate_connections` (by `http_limits.limit_connections
 connections counted from accept to the close of their socket (`TCPServer.run`, in tcp.py, admits;
 `close` below, or at the latest the end of the connection's task, releases), and its HTTP/2
 streams answered before their request body reset with NO_ERROR (`reset_answered_early`, run by
-`H2Protocol._close_stream` in h2.py). Other listeners are untouched.
+`H2Protocol._close_stream` in h2.py). A connection admitted only to be told the listener is full
+carries a deadline (`state.Admitted`, enforced by tcp.py) and, through its app, the mark that makes
+h2.py refuse its streams (`state.REFUSES_STREAMS`). Other listeners are untouched.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import NamedTuple, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -24,7 +24,9 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import AppWrapper
 
 __all__ = [
+    "REFUSES_STREAMS",
     "Admit",
+    "Admitted",
     "Listener",
     "Release",
     "Rotation",
@@ -44,9 +46,25 @@ log = logging.getLogger("stargate.hypercorn_fixes")
 Release = Callable[[], None]
 """Frees a counted connection's slot (idempotent)."""
 
-Admit = Callable[[AppWrapper], tuple[AppWrapper, Release] | None]
+
+class Admitted(NamedTuple):
+    """How a counted connection is served: with `app`, its slot freed by `release`, and, for a
+    connection admitted only to be answered (past the cap and the reserve), `deadline`: the
+    seconds it may stay open at most, whatever it is doing then."""
+
+    app: AppWrapper
+    release: Release
+    deadline: float | None = None
+
+
+Admit = Callable[[AppWrapper], Admitted | None]
 """A listener's connection count: given the app a new connection would be served with, None to
-close it at once, or the app to serve it with and how to free its slot."""
+close it at once, or how to serve it (`Admitted`)."""
+
+REFUSES_STREAMS = "stargate_refuses_streams"
+"""An attribute that, true on the app a connection is served with, makes its HTTP/2 side refuse
+every stream (REFUSED_STREAM, then a GOAWAY naming stream 0: nothing was processed, so the client
+may retry each request elsewhere). HTTP/1.1 requests reach the app, which answers them."""
 
 _LISTENER = "_stargate_listener"
 _RELEASE = "_stargate_release"

@@ -102,7 +102,7 @@ def _feature(what: str, doc: str, test: str) -> Behaviour:
 # Where the behaviours are explained, and the tests that fail without them.
 _SERVING = "docs/http-serving.md#"
 _LIFECYCLE = _SERVING + "stream-lifecycle"
-_CONNECTIONS = _SERVING + "client-connections---max-client-connections-default-384"
+_CONNECTIONS = _SERVING + "client-connections---max-client-connections-default-auto"
 _H2_STREAMS = "tests/e2e/test_h2_streams.py::"
 _LIMITS_E2E = "tests/e2e/test_client_limits.py::"
 _GRPC = "tests/unit/test_grpc_asgi.py::"
@@ -183,9 +183,15 @@ STRICT_FRAMING = _fix(
     "tests/unit/test_http_framing.py::test_a_badly_framed_head_is_a_400",
 )
 COUNTED = _feature(
-    "a limited listener's connections are counted; past the cap, probes only, then closed",
+    "a limited listener's connections are counted; past the cap, probes only, then answered "
+    "full and closed by a deadline",
     _CONNECTIONS,
     _LIMITS_E2E + "test_a_connection_flood_leaves_the_probes_served",
+)
+REFUSED_PAST_CAP = _feature(
+    "an HTTP/2 connection past the cap and the reserve gets REFUSED_STREAM and GOAWAY(0)",
+    _CONNECTIONS,
+    _LIMITS_E2E + "test_past_twice_the_computed_cap_every_client_gets_an_answer",
 )
 CONTAINED = _fix(
     "an error escaping a connection's task closes only that connection",
@@ -249,7 +255,7 @@ PATCHES: tuple[Patch, ...] = (
         WRAPS,
         "h2.handle_events",
         "3378aef0a2348f0d",
-        (LATE_DATA, FULL_TREE, ROTATION),
+        (LATE_DATA, FULL_TREE, ROTATION, REFUSED_PAST_CAP),
     ),
     Patch(_H2 + "handle", WRAPS, "h2.handle", "c67e89eb79af9032", (RELEASED_ON_CLOSE,)),
     Patch(_H2 + "stream_send", WRAPS, "h2.stream_send", "d8fc824e2770ba5c", (ENDED_AT_ONCE,)),

@@ -32,9 +32,11 @@ def run(original: ServerMethod) -> ServerMethod:
     """`TCPServer.run`, the whole life of one connection, with two behaviours in this order:
 
     1. The listener's connection count (limits.py), outermost: a connection the count refuses is
-       closed before Hypercorn reads anything; one in the reserve is served through the gate the
-       count gives (probes only); the slot is freed when the socket closes (`limits.close`) or,
-       at the latest, when this returns. It is outermost so the slot covers everything the
+       closed before Hypercorn reads anything; one in the reserve or past it is served through
+       the gate the count gives (probes only; past the reserve, an answer that it is full), and
+       one with a deadline (past the reserve) is cut when it passes, so refused connections hold
+       their descriptor only briefly; the slot is freed when the socket closes (`limits.close`)
+       or, at the latest, when this returns. It is outermost so the slot covers everything the
        connection does, the handling of a failure included, and is freed whatever happens.
     2. Contained failures: an exception that escapes Hypercorn's connection task would reach the
        nursery trio's `serve_listeners` runs every connection in and end the listener, then the
@@ -51,10 +53,14 @@ def run(original: ServerMethod) -> ServerMethod:
         if admitted is None:
             await limits.close_at_once(self)
             return
-        self.app, release = admitted
+        self.app, release, deadline = admitted
         set_release(self, release)
         try:
-            await _contained(original, self)
+            if deadline is None:
+                await _contained(original, self)
+            else:
+                with trio.move_on_after(deadline):  # the stream closes in trio's handler after
+                    await _contained(original, self)
         finally:
             release()
 

@@ -17,13 +17,21 @@ docs/data-plane.md, "Request bodies in memory"). A client that goes away cancels
 flight for it, upstream connection included; an upstream that fails mid-body ends the client's
 body without its final chunk (the connection is closed), so the client can tell, and is logged as
 one WARNING line with its fields and no traceback (docs/logging.md).
+
+A request that may wait (a pooled model, or `x-max-wait-ms`) gets a nursery and a
+`LoadingStream` (stargate/proxy/loading.py), whose task starts only if the request is held and
+asks for a stream: its head and SSE comments go out at once, and the engine's body follows them
+(docs/clients.md, "Held streaming requests"). Every answer to a forwarded request carries
+`Server-Timing` (stargate/proxy/server_timing.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -59,11 +67,20 @@ from stargate.proxy.contract import (
     parse_unsigned,
 )
 from stargate.proxy.forwarder import Forwarded, Forwarder, LocalError
+from stargate.proxy.loading import (
+    AfterHead,
+    LoadingStream,
+    error_event,
+    final_comment,
+    upstream_error,
+)
 from stargate.proxy.owner_relay import OwnerRelay, is_relayed
 from stargate.proxy.plan import RequestPlan
-from stargate.proxy.response_body import BodyBroke, send_response
+from stargate.proxy.response_body import BodyBroke, read_bounded, send_response
+from stargate.proxy.server_timing import server_timing
 
 if TYPE_CHECKING:  # the tracing modules load OpenTelemetry: only with tracing on (docs/tracing.md)
+    from stargate.routing import BackendSnapshot
     from stargate.tracing.request import RequestSpan, RequestTracer
 
 __all__ = ["ProxyApp", "UpstreamBodyError"]
@@ -80,6 +97,10 @@ class UpstreamBodyError(LoggedError):
 
 class _ClientGone(Exception):
     pass
+
+
+# How much of an upstream error body is read for its message after a loading stream's head.
+_ERROR_BODY_LIMIT = 64 * 1024
 
 
 class ProxyApp:
@@ -118,6 +139,10 @@ class ProxyApp:
             (config.derive_affinity_key_block_bytes, config.derive_affinity_key_depth)
             if config.derive_affinity_key
             else None
+        )
+        # docs/clients.md, "Held streaming requests": seconds between loading comments, None: off.
+        self._loading_interval = (
+            config.loading_comment_interval_ms / 1000 if config.loading_comments else None
         )
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
@@ -238,28 +263,79 @@ class ProxyApp:
         body: bytes | bytearray,
         span: RequestSpan | None,
     ) -> None:
+        """`_serve`, with a loading stream ready for a request that may be held (a pooled model,
+        or a routing wait): its nursery is opened only then, and its task started only once the
+        request is held (docs/clients.md, "Held streaming requests")."""
+        request = plan.request
+        if self._loading_interval is None or not self._may_hold(request):
+            await self._serve(send, scope, plan, body, span, None)
+            return
+        async with trio.open_nursery() as nursery:
+            generated = request.request_id if request.generated_request_id else None
+            loading = LoadingStream(
+                send, nursery, request.model_id, body, self._loading_interval, generated
+            )
+            await self._serve(send, scope, plan, body, span, loading)
+
+    def _may_hold(self, request: ProxyRequest) -> bool:
+        """The request may wait before it is forwarded: a routing wait, or a pool's hold."""
+        if request.max_wait_ms:
+            return True
+        activator = self._activator
+        return (
+            activator is not None
+            and request.routing_key is None
+            and activator.pool_of(request.model_id) is not None
+        )
+
+    async def _serve(
+        self,
+        send: ASGISend,
+        scope: ASGIScope,
+        plan: RequestPlan,
+        body: bytes | bytearray,
+        span: RequestSpan | None,
+        loading: LoadingStream | None,
+    ) -> None:
         """Hold a pool slot if the model is pooled, forward, and answer; hand the request to the
         pool's owner when another replica owns the pool."""
         grant: Grant | None = None
         try:
-            grant = await self._acquire(plan.request, span)
+            grant = await self._acquire(plan.request, span, loading)
         except PoolOwnedElsewhere as elsewhere:
+            relay_send = send
+            if loading is not None and await loading.stop():
+                # Held here first (no owner yet), then the pool's owner appeared elsewhere: the
+                # loading head is out, so only the owner's body can follow it.
+                relay_send = AfterHead(send)
             try:
-                grant = await self._owned_elsewhere(send, plan, body, scope, elsewhere)
+                grant = await self._owned_elsewhere(relay_send, plan, body, scope, elsewhere)
             except ActivatorError as error:
-                await self._answer(send, plan, _pool_error(error))
+                await self._answer(send, plan, _pool_error(error), loading)
                 return
             if grant is None:
                 return  # answered by the owner
         except ActivatorError as error:
-            await self._answer(send, plan, _pool_error(error))
+            await self._answer(send, plan, _pool_error(error), loading)
             return
         try:
-            outcome = await self._forwarder.forward_plan(plan, body, span)
-            if isinstance(outcome, LocalError):
-                await self._answer(send, plan, outcome.error)
+            forwarding = trio.current_time()
+            if loading is None:
+                outcome = await self._forwarder.forward_plan(plan, body, span)
             else:
-                await self._stream(send, plan, outcome)
+                on_hold = partial(loading.hold, _routing_eta(plan.request, forwarding))
+                outcome = await self._forwarder.forward_plan(plan, body, span, on_hold=on_hold)
+            # docs/clients.md, "Server-Timing": the routing wait counts as hold, not upstream.
+            waited = outcome.waited
+            upstream = trio.current_time() - forwarding - waited
+            if grant is None:
+                timing = server_timing(waited, 0.0, upstream)
+            else:
+                timing = server_timing(grant.hold_seconds + waited, grant.swap_seconds, upstream)
+            if isinstance(outcome, LocalError):
+                await self._answer(send, plan, outcome.error, loading, timing)
+            else:
+                await self._stream(send, plan, outcome, loading, timing)
         finally:
             if grant is not None:
                 grant.release()  # exactly once, when the response body has ended
@@ -332,34 +408,52 @@ class ProxyApp:
             prefix_group=derived.group,
         )
 
-    async def _acquire(self, request: ProxyRequest, span: RequestSpan | None) -> Grant | None:
+    async def _acquire(
+        self, request: ProxyRequest, span: RequestSpan | None, loading: LoadingStream | None
+    ) -> Grant | None:
         """Hold a request for a pooled model until its member is resident (None: not pooled).
 
         Pools are unscoped: a request with a routing key is never held. With tracing on, the
-        hold time goes on the request's span (granted or refused).
+        hold time goes on the request's span (granted or refused). A held streaming request
+        starts its loading stream, whose comments give the pool's expected wait.
         """
         activator = self._activator
         if activator is None or request.routing_key is not None:
             return None
-        pool = activator.pool_of(request.model_id)
+        model = request.model_id
+        pool = activator.pool_of(model)
         if pool is None:
             return None
+        on_hold = None
+        if loading is not None:
+            on_hold = partial(loading.hold, partial(activator.expected_wait, model))
         if span is None:
-            return await activator.acquire(request.model_id)
+            return await activator.acquire(model, on_hold=on_hold)
         started = trio.current_time()
         try:
-            return await activator.acquire(request.model_id)
+            return await activator.acquire(model, on_hold=on_hold)
         finally:
             span.pool_held(pool, trio.current_time() - started)
 
-    async def _stream(self, send: ASGISend, plan: RequestPlan, outcome: Forwarded) -> None:
+    async def _stream(
+        self,
+        send: ASGISend,
+        plan: RequestPlan,
+        outcome: Forwarded,
+        loading: LoadingStream | None,
+        timing: bytes,
+    ) -> None:
         request, response, backend = plan.request, outcome.response, outcome.backend
         async with response:
+            if loading is not None and await loading.stop():
+                await self._stream_after_head(send, plan, outcome, timing)
+                return
             headers = filter_response_headers(response.headers)
             headers += [
                 (b"x-inference-server-id", backend.inference_server_id.encode()),
                 (b"x-inference-server-url", backend.url.encode()),
                 (b"x-stargate-cluster-id", backend.cluster_id.encode()),
+                (b"server-timing", timing),
             ]
             if request.generated_request_id:  # ours, whatever the upstream echoed
                 headers = [h for h in headers if h[0] != b"x-request-id"]
@@ -370,25 +464,60 @@ class ProxyApp:
             try:
                 await send_response(send, response, start)
             except BodyBroke as broke:
-                message = str(broke)
-                log.warning(
-                    "upstream body failed mid-stream",
-                    extra={
-                        "request_id": request.request_id,
-                        "backend": backend.inference_server_id,
-                        # Without the query string: it is the client's and may carry a key.
-                        "url": backend.url.rstrip("/")
-                        + request.target_path.partition(b"?")[0].decode("latin-1"),
-                        "bytes": broke.relayed,
-                        "error": message,
-                    },
-                )
-                raise UpstreamBodyError(message) from None
+                raise self._body_broke(request, backend, broke) from None
 
-    async def _answer(self, send: ASGISend, plan: RequestPlan, error: ContractError) -> None:
-        """Count, then send, an answer the replica makes itself for a planned request."""
+    async def _stream_after_head(
+        self, send: ASGISend, plan: RequestPlan, outcome: Forwarded, timing: bytes
+    ) -> None:
+        """The engine's answer after a loading stream's head: the final comment (timings, the
+        backend), then a 2xx body unchanged; any other status becomes the error event."""
+        response, backend = outcome.response, outcome.backend
+        self._count(plan, backend.inference_server_id, response.status)
+        prefix = final_comment(timing, (backend.inference_server_id, backend.cluster_id))
+        if 200 <= response.status < 300:
+            try:
+                await send_response(send, response, None, prefix)
+            except BodyBroke as broke:
+                raise self._body_broke(plan.request, backend, broke) from None
+            return
+        error = upstream_error(response.status, await read_bounded(response, _ERROR_BODY_LIMIT))
+        await send({"type": "http.response.body", "body": prefix + error_event(error)})
+
+    def _body_broke(
+        self, request: ProxyRequest, backend: BackendSnapshot, broke: BodyBroke
+    ) -> UpstreamBodyError:
+        """Log an upstream body that failed mid-stream; the error that closes the connection."""
+        message = str(broke)
+        log.warning(
+            "upstream body failed mid-stream",
+            extra={
+                "request_id": request.request_id,
+                "backend": backend.inference_server_id,
+                # Without the query string: it is the client's and may carry a key.
+                "url": backend.url.rstrip("/")
+                + request.target_path.partition(b"?")[0].decode("latin-1"),
+                "bytes": broke.relayed,
+                "error": message,
+            },
+        )
+        return UpstreamBodyError(message)
+
+    async def _answer(
+        self,
+        send: ASGISend,
+        plan: RequestPlan,
+        error: ContractError,
+        loading: LoadingStream | None = None,
+        timing: bytes | None = None,
+    ) -> None:
+        """Count, then send, an answer the replica makes itself for a planned request: after a
+        loading stream's head, as its error event."""
         self._count(plan, "", error.status)
-        await _respond(send, error, plan.request.openai_form, plan.request)
+        if loading is not None and await loading.stop():
+            prefix = b"" if timing is None else final_comment(timing)
+            await send({"type": "http.response.body", "body": prefix + error_event(error)})
+            return
+        await _respond(send, error, plan.request.openai_form, plan.request, timing)
 
     def _count(self, plan: RequestPlan, server_id: str, status: int) -> None:
         metrics = self._metrics
@@ -536,6 +665,16 @@ def _pool_error(error: ActivatorError) -> ContractError:
     return ContractError(error.status, body, headers, message=str(error), code=error.code)
 
 
+def _routing_eta(request: ProxyRequest, start: float) -> Callable[[], float | None]:
+    """A loading comment's ETA during a routing wait: what is left of it."""
+    deadline = start + (request.max_wait_ms or 0) / 1000
+
+    def remaining() -> float:
+        return max(0.0, deadline - trio.current_time())
+
+    return remaining
+
+
 def _origin_form(scope: ASGIScope) -> ASGIScope:
     """`scope` with an absolute-form target (RFC 9112 §3.2.2) reduced to its path."""
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
@@ -552,6 +691,7 @@ async def _respond(
     error: ContractError,
     openai_form: bool,
     request: ProxyRequest | None = None,
+    timing: bytes | None = None,
 ) -> None:
     headers, body = error.answer(openai_form)
     headers = list(headers)
@@ -559,5 +699,7 @@ async def _respond(
         headers.append((b"content-length", str(len(body)).encode()))
     if request is not None and request.generated_request_id:
         headers.append((b"x-request-id", request.request_id.encode()))
+    if timing is not None:
+        headers.append((b"server-timing", timing))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -50,7 +50,7 @@ from stargate.load_balancing.balancers import choose_backend, expected_queue_ms
 from stargate.load_balancing.config import AlgorithmSpec, LbConfig
 from stargate.load_balancing.registry import BalancerRegistry, input_work_rejection_for
 from stargate.metrics import ProxyMetrics
-from stargate.proxy.contract import ContractError, Headers, ProxyRequest
+from stargate.proxy.contract import ContractError, Headers, ProxyRequest, first_header
 from stargate.proxy.plan import UNREGISTERED, Planner, RequestPlan
 from stargate.proxy.retry import (
     Action,
@@ -64,6 +64,7 @@ from stargate.proxy.retry import (
     expired,
     record,
 )
+from stargate.proxy.routing_wait import RoutingWaits
 from stargate.routing import (
     BackendSnapshot,
     ClusterSnapshot,
@@ -71,6 +72,14 @@ from stargate.routing import (
     RoutingState,
     RoutingTargetKey,
 )
+from stargate.routing.outliers import (
+    Ejection,
+    EjectionPolicy,
+    OutlierDetector,
+    Result,
+    classify_response,
+)
+from stargate.routing.slow_start import SlowStart, SlowStartPolicy
 from stargate.tunnel.kinds import is_tunnel
 from stargate.upstream import (
     BackendResponse,
@@ -135,6 +144,7 @@ class LocalError:
     """A response the replica generates itself (no backend produced it)."""
 
     error: ContractError
+    waited: float = 0.0  # seconds of routing wait before it (stargate/proxy/server_timing.py)
 
 
 @dataclass(slots=True)
@@ -143,6 +153,7 @@ class Forwarded:
 
     response: BackendResponse
     backend: BackendSnapshot
+    waited: float = 0.0  # seconds from the request's start to its backend's choice, if it waited
 
 
 class TunnelTransport(Protocol):
@@ -233,6 +244,12 @@ class _RequestContext:
     start: float
     attempts: Attempts
     trace: RequestSpan | None = None  # the request's root span, with tracing on
+    # The routing wait (docs/data-plane.md, Forwarding, step 4): called when its first sleep
+    # begins (a loading stream starts: stargate/proxy/loading.py); when that was (None: it never
+    # waited); from the request's start to its backend's choice after a wait, or to its 503.
+    on_hold: Callable[[], None] | None = None
+    wait_started: float | None = None
+    waited: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +286,15 @@ _FAILURES: dict[FailureKind, _Report] = {
 
 # The reserved backend left its target before the attempt: excluded, with no retry spent.
 _BACKEND_LEFT = Decision(Action.SIBLING)
+
+
+def _health(head: UpstreamHead, headers: Headers) -> Result:
+    """What a response head says about its backend (docs/outliers.md): only a 5xx, or a
+    429/503 that may carry a load signal, needs its headers read."""
+    if head.status < 500 and head.status != 429:
+        return Result.SUCCESS
+    upstream = first_header(headers, b"x-stargate-upstream-retryable")
+    return classify_response(head.status, head.retryable, upstream)
 
 
 def _failure_kind(error: UpstreamError | None) -> FailureKind:
@@ -324,6 +350,26 @@ class Forwarder:
         self._rng = rng or random.Random()
         self._backend_counters: dict[tuple[RoutingTargetKey, str], int] = {}
         self.head_waits = HeadWaits()
+        # docs/outliers.md: failing backends are ejected, joining ones ramp up. The runtime
+        # settles `slow_start` when warmup ends and calls `sweep_outliers` from its sweep.
+        self.outliers = OutlierDetector(
+            EjectionPolicy(
+                consecutive_failures=config.outlier_consecutive_failures,
+                base_ejection=config.outlier_base_ejection_ms / 1000,
+                max_ejection=config.outlier_max_ejection_ms / 1000,
+                max_ejection_percent=config.outlier_max_ejection_percent,
+                decay_interval=config.outlier_decay_interval_ms / 1000,
+            )
+        )
+        self.slow_start = SlowStart(
+            SlowStartPolicy(
+                window=config.slow_start_window_ms / 1000,
+                aggression=config.slow_start_aggression,
+                min_weight_percent=config.slow_start_min_weight_percent,
+            )
+        )
+        # Per model, how long requests waited for a backend: the Retry-After of its 503s.
+        self.routing_waits = RoutingWaits()
 
     def forget_target(self, target: RoutingTargetKey) -> None:
         """The target emptied: its load-balancer state and cluster counters start afresh."""
@@ -384,16 +430,23 @@ class Forwarder:
         return await self.forward_plan(self.planner.plan(request, spec), body, trace)
 
     async def forward_plan(
-        self, plan: RequestPlan, body: bytes | bytearray, trace: RequestSpan | None = None
+        self,
+        plan: RequestPlan,
+        body: bytes | bytearray,
+        trace: RequestSpan | None = None,
+        *,
+        on_hold: Callable[[], None] | None = None,
     ) -> Forwarded | LocalError:
         """Route and attempt until a final response (or local error) for `plan`'s request;
-        `trace` (tracing on) gets the routing decision and a child span per attempt."""
+        `trace` (tracing on) gets the routing decision and a child span per attempt; `on_hold` is
+        called once, when the routing wait's first sleep begins (docs/clients.md, "Held streaming
+        requests"). The outcome's `waited` is the routing wait it had."""
         request, spec, target = plan.request, plan.spec, plan.target
         labels = self.planner.labels(plan)
         model, routing_key = labels
         start = trio.current_time()
         state = Attempts(budget_deadline=_deadline(start, request.retry_budget_ms))
-        context = _RequestContext(plan, body, labels, start, state, trace)
+        context = _RequestContext(plan, body, labels, start, state, trace, on_hold)
         if trace is not None:
             trace.set_request(request, spec.name, len(body))
         routing_request = plan.routing
@@ -435,6 +488,8 @@ class Forwarder:
                 if unanswered is not None:
                     return unanswered
                 continue  # waited, or the queue check waived: choose again
+            if context.wait_started is not None:
+                self._chosen_after_wait(context)
             if trace is not None:
                 trace.routing_choice(
                     len(eligible),
@@ -450,8 +505,22 @@ class Forwarder:
                 context, choice.cluster, choice.backends, choice.queue_allowance_ms
             )
             if outcome is not None:
+                if context.waited:
+                    if isinstance(outcome, Forwarded):
+                        outcome.waited = context.waited
+                    else:
+                        outcome = replace(outcome, waited=context.waited)
                 return outcome
             # None: the cluster failed for this request; choose again with it excluded.
+
+    def _chosen_after_wait(self, context: _RequestContext) -> None:
+        """A backend was chosen after a routing wait: the wait (from the request's start) goes
+        into its model's average, the `Retry-After` of its 503s (stargate/proxy/routing_wait.py).
+        A later wait of the same request (after a failed cluster) counts again, to its end."""
+        now = trio.current_time()
+        context.waited = now - context.start
+        context.wait_started = None
+        self.routing_waits.observe(context.labels[0], context.waited, now)
 
     async def _nothing_chosen(
         self, context: _RequestContext, any_cluster: bool, eligible: Sequence[ClusterSnapshot]
@@ -462,8 +531,15 @@ class Forwarder:
         now = trio.current_time()
         wait_deadline = _deadline(context.start, plan.request.max_wait_ms)
         if eligible and wait_deadline is not None and now < wait_deadline:
+            if context.wait_started is None:
+                context.wait_started = now
+                if context.on_hold is not None:  # once: the request is held from now on
+                    on_hold, context.on_hold = context.on_hold, None
+                    on_hold()
             await trio.sleep(min(wait_deadline - now, self._rng.uniform(0.001, 0.009)))
             return None
+        if context.wait_started is not None:
+            context.waited = now - context.start  # the wait ran out: all of it was routing wait
         model, routing_key = context.labels
         if not expired(state.budget_deadline, now) and state.waive_queue_check():
             self._metrics.count_retry(model, "queue_check_waived", routing_key)
@@ -473,14 +549,60 @@ class Forwarder:
             and not self._routing.is_advertised(plan.target)
             and not (state.failed_any and not self._routing.any_demoted)
         ):
-            return LocalError(no_eligible_candidates(plan.request.model_id))
-        return LocalError(self._unavailable(plan.request, state, bool(eligible), context.labels))
+            return LocalError(no_eligible_candidates(plan.request.model_id), context.waited)
+        error = self._unavailable(plan.request, state, bool(eligible), context.labels)
+        return LocalError(error, context.waited)
 
     def _excluded_backends(self, state: Attempts) -> AbstractSet[str]:
-        """Backends no attempt of this request may use: those it failed, and the demoted ones."""
+        """Backends no attempt of this request may use: those it failed, the demoted ones, and
+        those the current decision leaves out (docs/outliers.md)."""
+        excluded: AbstractSet[str] = state.failed_backends
         if self._routing.any_demoted:
-            return state.failed_backends | self._routing.demoted
-        return state.failed_backends
+            excluded = excluded | self._routing.demoted
+        if state.left_out:
+            excluded = excluded | state.left_out
+        return excluded
+
+    def _leave_out(self, eligible: Sequence[ClusterSnapshot], state: Attempts) -> AbstractSet[str]:
+        """The backends one routing decision leaves out (docs/outliers.md): the ejected ones,
+        unless every candidate is ejected, and each one in its slow-start window with
+        probability 1 - its factor. O(1) while nothing is ejected and nobody is in a window."""
+        now = trio.current_time()
+        outliers = self.outliers
+        if outliers.any_ejected:
+            self._expire_ejections(now)
+        ejected = outliers.ejected
+        ramping = self.slow_start.active(self._routing.last_join, now)
+        if not ejected and not ramping:
+            return frozenset()
+        unusable = self._excluded_backends(state)  # (`state.left_out` is empty here)
+        candidates = [
+            backend
+            for cluster in eligible
+            for backend in cluster.backends
+            if backend.inference_server_id not in unusable
+        ]
+        left_out: set[str] = set()
+        if ejected:
+            left_out = {
+                b.inference_server_id for b in candidates if b.inference_server_id in ejected
+            }
+            if len(left_out) == len(candidates):
+                left_out = set()  # every candidate is ejected: route as if none were
+        if ramping:
+            sat_out = self.slow_start.left_out(
+                (
+                    (b.inference_server_id, b.joined_at)
+                    for b in candidates
+                    if b.inference_server_id not in left_out
+                ),
+                now,
+                self._rng.random,
+            )
+            for backend_id in sat_out:
+                self._metrics.count_slow_start_left_out(backend_id)
+            left_out |= sat_out
+        return left_out
 
     def _has_room(self, backend: BackendSnapshot) -> bool:
         """The backend is below its connection cap (a request gets a connection at once)."""
@@ -494,23 +616,38 @@ class Forwarder:
     def _excluded_clusters(
         self, eligible: Sequence[ClusterSnapshot], state: Attempts
     ) -> AbstractSet[str]:
-        """What the balancer must not choose: the clusters this request failed, and, while some
+        """What the balancer must not choose: the clusters this request failed; the clusters
+        whose every candidate this decision leaves out (ejected, or sitting out a slow start:
+        docs/outliers.md; drawn here, once per decision, into `state.left_out`); and, while some
         eligible cluster has a backend below its connection cap, the clusters whose every
         candidate backend is at its cap (docs/data-plane.md, Per-backend connections)."""
         failed = state.failed_clusters
-        if not self._any_full:
+        state.left_out = frozenset()
+        left_out = state.left_out = self._leave_out(eligible, state)
+        if not left_out and not self._any_full:
             return failed
         excluded_backends = self._excluded_backends(state)
+        out: set[str] = set()
+        if left_out:
+            for cluster in eligible:
+                ids = [b.inference_server_id for b in cluster.backends]
+                if any(i in left_out for i in ids) and all(i in excluded_backends for i in ids):
+                    out.add(cluster.cluster_id)
+            if not self._any_full:
+                return failed | out if out else failed
         full: set[str] = set()
         for cluster in eligible:
+            if cluster.cluster_id in out:
+                continue
             candidates = [
                 b for b in cluster.backends if b.inference_server_id not in excluded_backends
             ]
             if candidates and not any(self._has_room(b) for b in candidates):
                 full.add(cluster.cluster_id)
-        if not full or len(full) == len(eligible):
-            return failed  # nothing is full, or everything is: then a request waits for a slot
-        return failed | full
+        if not full or len(full) == len(eligible) - len(out):
+            # Nothing is full, or everything left is: then a request waits for a slot.
+            return failed | out if out else failed
+        return failed | out | full
 
     async def _attempt_cluster(
         self,
@@ -642,6 +779,7 @@ class Forwarder:
             decision = decide_response(state, head, self._retry_policy, now)
             if decision.release_reservation:
                 self._routing.release(reservation)
+            self._record_health(server_id, _health(head, response.headers), now)
         else:
             kind = _failure_kind(error)
             report = _FAILURES[kind]
@@ -656,6 +794,8 @@ class Forwarder:
             decision = decide_transport_failure(state, kind, self._retry_policy, now)
             if decision.demote:
                 self._routing.demote(server_id)
+            if kind is FailureKind.CONNECT or kind is FailureKind.OTHER:
+                self._record_health(server_id, Result.TRANSPORT_FAILURE, now)
             # Any kind: a pool re-checks its member's residency (docs/activator.md, Self-heal).
             self._dispatch_failed(context.plan.request)
         if decision.exhausted_reason is not None:
@@ -671,6 +811,62 @@ class Forwarder:
                 state,
             )
         return decision
+
+    def _record_health(self, server_id: str, result: Result, now: float) -> None:
+        """One attempt's verdict on its backend, for outlier ejection (docs/outliers.md): the
+        ejection it caused, if any, logged and counted. O(1) for a healthy backend."""
+        event = self.outliers.record(server_id, result, now, self._routing.backend_count())
+        if event is None:
+            return
+        metrics = self._metrics
+        if isinstance(event, Ejection):
+            log.warning(
+                "outlier ejected: backend=%s reason=%s consecutive=%d ejections=%d ejection_ms=%d",
+                server_id,
+                event.reason.value,
+                event.consecutive,
+                event.ejections,
+                round(event.duration * 1000),
+            )
+            metrics.count_outlier_ejection(server_id, event.reason.value)
+            metrics.outlier_ejected.set(len(self.outliers.ejected))
+        else:
+            log.warning(
+                "outlier not ejected, --outlier-max-ejection-percent reached: backend=%s "
+                "reason=%s consecutive=%d ejected=%d allowed=%d",
+                server_id,
+                event.reason.value,
+                event.consecutive,
+                event.ejected,
+                event.allowed,
+            )
+            metrics.count_outlier_ejection_refused(event.reason.value)
+
+    def _expire_ejections(self, now: float) -> None:
+        """End the ejections whose time is up, with a log line each (docs/outliers.md)."""
+        returned = self.outliers.expire(now)
+        for back in returned:
+            log.info(
+                "outlier returned to routing: backend=%s ejected_ms=%d ejections=%d",
+                back.backend_id,
+                round(back.duration * 1000),
+                back.ejections,
+            )
+        if returned:
+            self._metrics.outlier_ejected.set(len(self.outliers.ejected))
+
+    def sweep_outliers(self) -> None:
+        """Housekeeping (the runtime's sweep): end ejections that are due even when no request
+        comes, and forget the records of backends that are no longer registered. Visits every
+        record: not for the request path."""
+        now = trio.current_time()
+        self._expire_ejections(now)
+        dropped = self.outliers.forget(
+            lambda backend_id: self._routing.is_registered(backend_id), now
+        )
+        if dropped:
+            log.info("outlier ejections ended with their registrations: backends=%s", dropped)
+            self._metrics.outlier_ejected.set(len(self.outliers.ejected))
 
     def _dispatch_failed(self, request: ProxyRequest) -> None:
         """An attempt for `request` ended without a response head."""
@@ -706,7 +902,8 @@ class Forwarder:
         self, request: ProxyRequest, state: Attempts, choosable: bool, labels: tuple[str, str]
     ) -> ContractError:
         """The bare 503 of docs/data-plane.md, Local answers, with what an OpenAI-form answer says
-        about it."""
+        about it; with `Retry-After` from how long the model's requests recently waited for a
+        backend, when that is measured (stargate/proxy/routing_wait.py)."""
         model = request.model_id
         if state.failed_any:
             label_model, routing_key = labels
@@ -719,7 +916,9 @@ class Forwarder:
         else:
             message = f"model {model!r} is registered but has no active backend; retry later"
             code = "no_active_backend"
-        return ContractError(503, message=message, code=code, param="model")
+        retry_after = self.routing_waits.retry_after(labels[0], trio.current_time())
+        headers = None if retry_after is None else [(b"retry-after", b"%d" % retry_after)]
+        return ContractError(503, headers=headers, message=message, code=code, param="model")
 
 
 def _upstream_failed(request: ProxyRequest) -> ContractError:

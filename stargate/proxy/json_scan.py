@@ -1,4 +1,5 @@
-"""One top-level string of a JSON body, found without parsing the body (the OpenAI form's model).
+"""One top-level string (or `true`) of a JSON body, found without parsing the body (the OpenAI
+form's model, a request's `"stream": true`).
 
 Why: a request in the OpenAI form (docs/clients.md) names its model in the body, and the replica
 routes by it. `json.loads(body)` finds it, but first decodes the whole body to a `str` (a body
@@ -51,7 +52,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final, TypeAlias, cast
 
-__all__ = ["MAX_DEPTH", "Bytes", "JSONScanError", "prepare", "top_level_string"]
+__all__ = [
+    "MAX_DEPTH",
+    "Bytes",
+    "JSONScanError",
+    "prepare",
+    "top_level_string",
+    "top_level_true",
+]
 
 Bytes: TypeAlias = bytes | bytearray
 """What the scan reads: the body as the proxy holds it (stargate/proxy/app.py)."""
@@ -202,25 +210,51 @@ def top_level_string(body: Bytes, key: str, *, nested: int = _NESTED) -> str | N
     `nested`: how deep the containers that runs match whole may nest (0: none, every container
     goes through the state machine). It changes the speed, never the answer; the tests compare.
     """
+    span = _top_level_span(body, key, nested)
+    if span is None:
+        return None
+    if not isinstance(span, tuple):
+        value = span.get(key)
+        return value if isinstance(value, str) else None
+    start, stop = span
+    if body[start] != _QUOTE:
+        return None
+    if body.find(b"\\", start, stop) < 0:  # nothing to unescape: the text between the quotes
+        return body[start + 1 : stop - 1].decode("utf-8", "surrogatepass")
+    value = json.loads(body[start:stop])
+    assert isinstance(value, str)
+    return value
+
+
+def top_level_true(body: Bytes, key: str, *, nested: int = _NESTED) -> bool:
+    """Whether `key` in the JSON object `body` is the literal `true` (of duplicates, the last):
+    a request's `"stream": true` (stargate/proxy/loading.py), read the same way as
+    `top_level_string` reads its model, and with the same errors."""
+    span = _top_level_span(body, key, nested)
+    if span is None:
+        return False
+    if not isinstance(span, tuple):
+        return span.get(key) is True
+    start, stop = span
+    return body[start:stop] == b"true"
+
+
+def _top_level_span(
+    body: Bytes, key: str, nested: int
+) -> tuple[int, int] | dict[str, object] | None:
+    """The span of `key`'s last top-level value when it is a scalar; or the decoded document
+    when `json.loads` would read `body` as UTF-16 or UTF-32 (and it is an object); else None."""
     encoding = json.detect_encoding(body)
     if encoding == "utf-8":
         start = 0
     elif encoding == "utf-8-sig":
         start = 3  # json.loads drops the mark
     else:
-        return _from_document(body, key)
+        return _from_document(body)
     _check_utf8(body)
     max_digits = sys.get_int_max_str_digits()
     grammar = _grammar(max_digits or None, key, nested)
-    span = _scan(body, start, grammar)
-    if span is None:
-        return None
-    start, stop = span
-    if body.find(b"\\", start, stop) < 0:  # nothing to unescape: the text between the quotes
-        return body[start + 1 : stop - 1].decode("utf-8", "surrogatepass")
-    value = json.loads(body[start:stop])
-    assert isinstance(value, str)
-    return value
+    return _scan(body, start, grammar)
 
 
 _UTF8_CHUNK: Final = 1 << 16
@@ -246,13 +280,12 @@ def _check_utf8(body: Bytes) -> None:
             start = stop
 
 
-def _from_document(body: Bytes, key: str) -> str | None:
+def _from_document(body: Bytes) -> dict[str, object] | None:
     try:
         document = json.loads(body)
     except RecursionError:
         raise JSONScanError("nested too deeply") from None
-    value = document.get(key) if isinstance(document, dict) else None
-    return value if isinstance(value, str) else None
+    return document if isinstance(document, dict) else None
 
 
 _Skip: TypeAlias = Callable[[Bytes, int], re.Match[bytes]]
@@ -264,7 +297,8 @@ _AFTER: Final = 3  # after a value: a comma, a closing bracket, or the end of th
 
 
 def _scan(body: Bytes, pos: int, grammar: _Grammar) -> tuple[int, int] | None:
-    """Validate `body` from `pos`; the span of the top-level key's last value, if a string."""
+    """Validate `body` from `pos`; the span of the top-level key's last value, if a scalar (a
+    string, number or literal: not an object or array)."""
     end = len(body)
     ws = cast(_Skip, grammar.ws.match)  # every `*+` pattern matches, if only the empty string
     numbers = cast(_Skip, grammar.numbers.match)
@@ -305,7 +339,7 @@ def _scan(body: Bytes, pos: int, grammar: _Grammar) -> tuple[int, int] | None:
                     if match is None:
                         raise JSONScanError(f"expecting a value at {pos}")
                     if is_key_value:
-                        found = None
+                        found = (pos, match.end())
                     pos, state = match.end(), _AFTER
                 is_key_value = False
             elif state == _KEY:
@@ -314,7 +348,8 @@ def _scan(body: Bytes, pos: int, grammar: _Grammar) -> tuple[int, int] | None:
                 match = (runs.top_members if top else runs.members).match(body, pos)
                 assert match is not None
                 if top and (start := match.start("value")) >= 0:
-                    found = (start, match.end("value")) if body[start] == _QUOTE else None
+                    scalar_value = body[start] not in (_OPEN_OBJECT, _OPEN_ARRAY)
+                    found = (start, match.end("value")) if scalar_value else None
                 pos, state = _after_run(body, pos, match.end())
                 if state == _AFTER:
                     continue  # the run ended at the closing brace

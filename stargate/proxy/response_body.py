@@ -14,7 +14,7 @@ from typing import Any
 from stargate.asgi import BODY_FOLLOWS, ASGISend
 from stargate.upstream import BackendResponse, UpstreamError
 
-__all__ = ["BodyBroke", "send_response"]
+__all__ = ["BodyBroke", "read_bounded", "send_response"]
 
 
 class BodyBroke(Exception):
@@ -27,8 +27,13 @@ class BodyBroke(Exception):
         self.relayed = relayed
 
 
-async def send_response(send: ASGISend, response: BackendResponse, start: dict[str, Any]) -> None:
+async def send_response(
+    send: ASGISend, response: BackendResponse, start: dict[str, Any] | None, prefix: bytes = b""
+) -> None:
     """Send `start` (an `http.response.start` message), then `response`'s body to its end.
+
+    `start` None: the head is already out (a loading stream, stargate/proxy/loading.py), and
+    `prefix` (its final comment) goes before the body's first bytes, in the same send.
 
     Raises `BodyBroke` if the body fails after the head was sent.
     """
@@ -37,10 +42,13 @@ async def send_response(send: ASGISend, response: BackendResponse, start: dict[s
         first = response.take_buffered()  # what arrived with the head: no waiting
     except UpstreamError as error:
         first, failure = None, error  # reported after the head
-    if first is not None or (failure is None and response.complete):
-        # Its body goes right after it: the server may write both at once (one syscall).
-        start[BODY_FOLLOWS] = True
-    await send(start)
+    if start is not None:
+        if first is not None or (failure is None and response.complete):
+            # Its body goes right after it: the server may write both at once (one syscall).
+            start[BODY_FOLLOWS] = True
+        await send(start)
+    elif prefix:
+        first = prefix + first if first is not None else prefix
     relayed = 0
     try:
         if failure is not None:
@@ -60,3 +68,20 @@ async def send_response(send: ASGISend, response: BackendResponse, start: dict[s
     except UpstreamError as error:
         raise BodyBroke(error, relayed) from None
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def read_bounded(response: BackendResponse, limit: int) -> bytes:
+    """Up to `limit` bytes of `response`'s body (less if it ends first; b"" if it fails)."""
+    data = bytearray()
+    try:
+        first = response.take_buffered()
+        if first is not None:
+            data += first
+        if not response.complete:
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) >= limit or response.complete:
+                    break
+    except UpstreamError:
+        pass
+    return bytes(data[:limit])

@@ -15,6 +15,7 @@ as in the Rust router.
 from __future__ import annotations
 
 import enum
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -73,6 +74,10 @@ class Attempts:
     """Backend id -> cluster id of the backends that answered a queue-estimate mismatch."""
     queue_check_waived: bool = False
     """The last resort was taken: attempts go without `x-stargate-expected-queue-ms`."""
+    left_out: AbstractSet[str] = frozenset()
+    """Backends the current routing decision leaves out: ejected outliers and backends sitting
+    out their slow-start share (docs/outliers.md). Drawn again for every decision; not failures,
+    so they count for neither `failed_any` nor a retry."""
 
     @property
     def failed_any(self) -> bool:

@@ -29,6 +29,11 @@ same id is routable only once its own probe has passed, which is exactly what li
 so keeping it would change nothing but keep every departed engine's id (and `any_demoted`, which
 costs every request a set union) for the life of the replica.
 
+Each backend entry keeps the time it joined its target (`BackendSnapshot.joined_at`: the
+`received_at` of the update that first made it routable there, carried across heartbeats), and
+the state the latest such time (`last_join`), so slow start (docs/outliers.md) can tell in O(1)
+whether any backend may still be ramping.
+
 A backend whose Pylon publishes its engine's KV events (docs/prefix-routing.md, "Precise mode")
 has a set of cached prefix blocks (`kv_blocks.py`), per registration: `apply_kv_blocks` applies
 each message's delta, and every `BackendSnapshot` of the registration shares the set by
@@ -176,6 +181,9 @@ class BackendSnapshot:
     rtt_ns: int
     received_at: float
     kv_blocks: AbstractSet[int] = field(default=NO_KV_BLOCKS, compare=False, repr=False)
+    joined_at: float = field(default=-math.inf, compare=False, repr=False)
+    """When this backend joined the target: the `received_at` of the update that first made it
+    routable there, kept by every later heartbeat (slow start, stargate/routing/slow_start.py)."""
 
     @property
     def inference_server_id(self) -> str:
@@ -449,6 +457,7 @@ class RoutingState:
         self._known: dict[RoutingTargetKey, int] = {}
         self._wall_clock = wall_clock
         self._demoted: set[str] = set()
+        self._last_join = -math.inf
 
     # ---- registrations --------------------------------------------------------------------------
 
@@ -646,6 +655,21 @@ class RoutingState:
         """Model ids with an active backend under any routing key, sorted and unique."""
         return sorted({target.model_id for target in self._targets})
 
+    @property
+    def last_join(self) -> float:
+        """The latest `BackendSnapshot.joined_at` of any backend entry ever stored (-inf: none):
+        slow start's O(1) "is some backend still in its window?"
+        (stargate/routing/slow_start.py)."""
+        return self._last_join
+
+    def backend_count(self) -> int:
+        """Live registrations: the population outlier ejection's percentage is taken of."""
+        return len(self._registrations)
+
+    def is_registered(self, inference_server_id: str) -> bool:
+        """Some live registration has this id."""
+        return inference_server_id in self._registrations
+
     # ---- demotion (docs/data-plane.md, Retries) --------------------------------------------------
 
     def demote(self, inference_server_id: str) -> None:
@@ -738,9 +762,18 @@ class RoutingState:
         else:
             # A new heartbeat from this backend supersedes its reservations (docs/data-plane.md).
             cluster.release_backend(identity.inference_server_id)
-        joined = identity.inference_server_id not in cluster.backends
+        previous = cluster.backends.get(identity.inference_server_id)
+        joined = previous is None
+        joined_at = route.received_at if previous is None else previous.joined_at
+        if joined:
+            self._last_join = max(self._last_join, joined_at)
         cluster.backends[identity.inference_server_id] = BackendSnapshot(
-            registration, route.stats, route.rtt_ns, route.received_at, registration.kv_view
+            registration,
+            route.stats,
+            route.rtt_ns,
+            route.received_at,
+            registration.kv_view,
+            joined_at,
         )
         cluster.source_id = identity.inference_server_id
         cluster.refresh()

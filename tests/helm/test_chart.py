@@ -474,9 +474,19 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "proxyMaxConnectionsPerBackend": 4_096,
             "acceptOpenaiRequests": True,
             "unmeasuredBackends": "exclude",
+            "outlierConsecutiveFailures": 0,  # an explicit 0 (off) reaches the CLI
+            "outlierBaseEjectionMs": 15_000,
+            "outlierMaxEjectionMs": 120_000,
+            "outlierMaxEjectionPercent": 50,
+            "outlierDecayIntervalMs": 5_000,
+            "slowStartWindowMs": 0,  # an explicit 0 (off) reaches the CLI
+            "slowStartAggression": 1.5,
+            "slowStartMinWeightPercent": 25,
             "deriveAffinityKey": True,
             "deriveAffinityKeyBlockBytes": 512,
             "deriveAffinityKeyDepth": 16,
+            "loadingComments": False,  # a toggle: false renders --no-loading-comments
+            "loadingCommentIntervalMs": 2500,
             "lbConfigPath": files["lb.json"],
             "upstreamCaFile": files["ca.pem"],
             "tlsCertPath": files["tls.crt"],
@@ -487,6 +497,8 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "poolConfig": str(pool_file),
             "poolResyncIntervalMs": 2_500,
             "poolControllerTimeoutMs": 4_000,
+            "poolBreakerFailures": 0,  # an explicit 0 (breaker off) reaches the CLI
+            "poolBreakerCooldownMs": 45_000,
             "poolOwnership": "lease",
             "poolLeaseNamespace": "llm-leases",
             "poolLeasePrefix": "router-x",
@@ -526,6 +538,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
             "disableDnsDiscovery": True,
             "registrationTokenFile": files["token"],
             "debugEndpoints": True,
+            "loadingComments": True,
         },
     }
     alone_args = render(chart, alone).args
@@ -585,8 +598,15 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
     assert p.accept_openai_requests is True
     assert "--unmeasured-backends=exclude" in args
     assert p.estimate_unmeasured_backends is False
+    assert "--outlier-consecutive-failures=0" in args and "--slow-start-window-ms=0" in args
+    assert (p.outlier_consecutive_failures, p.outlier_base_ejection_ms) == (0, 15_000)
+    assert (p.outlier_max_ejection_ms, p.outlier_max_ejection_percent) == (120_000, 50)
+    assert p.outlier_decay_interval_ms == 5_000
+    assert (p.slow_start_window_ms, p.slow_start_aggression) == (0, 1.5)
+    assert p.slow_start_min_weight_percent == 25
     assert "--derive-affinity-key" in args and "--derive-affinity-key-block-bytes=512" in args
     assert "--derive-affinity-key-depth=16" in args
+    assert "--no-loading-comments" in args and "--loading-comment-interval-ms=2500" in args
     assert (p.derive_affinity_key, p.derive_affinity_key_block_bytes) == (True, 512)
     assert p.derive_affinity_key_depth == 16
     assert p.lb_config_path == Path(files["lb.json"])
@@ -615,6 +635,7 @@ def test_every_serve_flag_is_reachable(chart: Any, cli: Any, tmp_path: Path) -> 
         2_500,
         4_000,
     )
+    assert (config.activator.breaker_failures, config.activator.breaker_cooldown_ms) == (0, 45_000)
     assert config.activator.ownership == PoolOwnershipConfig(
         "lease", "llm-leases", "router-x", 9_000, 6_000, 1_000, "http://10.9.9.9:18000"
     )

@@ -307,13 +307,21 @@ def test_demo_metrics_listener(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_client_limit_flags(captured: list[ServeConfig]) -> None:
-    """`--request-body-timeout-ms` and `--max-client-connections`: defaults, flags, environment
-    variables, and an explicit 0 (which disables each)."""
+    """`--request-body-timeout-ms` and `--max-client-connections`: defaults (the cap `auto`,
+    None: computed at start-up), flags, environment variables, and an explicit 0 (which disables
+    each)."""
     code, output = _serve([])
     assert code == 0, output
     assert captured[-1].request_body_timeout_ms == 30_000
     assert captured[-1].request_body_timeout_seconds == 30.0
-    assert captured[-1].max_client_connections == 384
+    assert captured[-1].max_client_connections is None
+    for spelling in ("auto", "AUTO", " auto "):
+        code, output = _serve([f"--max-client-connections={spelling}"])
+        assert code == 0, output
+        assert captured[-1].max_client_connections is None
+    code, output = _serve([], {"STARGATE_MAX_CLIENT_CONNECTIONS": "auto"})
+    assert code == 0, output
+    assert captured[-1].max_client_connections is None
     code, output = _serve(["--request-body-timeout-ms=0", "--max-client-connections=0"])
     assert code == 0, output
     assert captured[-1].request_body_timeout_seconds is None
@@ -322,6 +330,13 @@ def test_client_limit_flags(captured: list[ServeConfig]) -> None:
     code, output = _serve([], env)
     assert code == 0, output
     assert (captured[-1].request_body_timeout_ms, captured[-1].max_client_connections) == (1500, 20)
+
+
+def test_max_client_connections_takes_auto_or_a_count(captured: list[ServeConfig]) -> None:
+    code, output = _serve(["--max-client-connections=many"])
+    assert code == 2
+    assert "'--max-client-connections'" in output and "expected auto or an integer" in output
+    assert captured == []
 
 
 @pytest.mark.parametrize("flag", ["--request-body-timeout-ms", "--max-client-connections"])
@@ -553,6 +568,31 @@ def test_pool_ownership_flags(captured: list[ServeConfig], tmp_path: Path) -> No
     assert captured[0].activator.ownership == PoolOwnershipConfig()  # local, CLI defaults
 
 
+def test_pool_breaker_flags(captured: list[ServeConfig]) -> None:
+    """docs/activator.md, "Breaker": defaults 3 failures and 30 s; 0 failures turns it off;
+    env vars work; a bad value is a usage error naming the flag."""
+    code, output = _serve([])
+    assert code == 0, output
+    assert (captured[0].activator.breaker_failures, captured[0].activator.breaker_cooldown_ms) == (
+        3,
+        30_000,
+    )
+    captured.clear()
+    env = {"STARGATE_POOL_BREAKER_FAILURES": "0", "STARGATE_POOL_BREAKER_COOLDOWN_MS": "5000"}
+    code, output = _serve([], env)
+    assert code == 0, output
+    assert (captured[0].activator.breaker_failures, captured[0].activator.breaker_cooldown_ms) == (
+        0,
+        5_000,
+    )
+    captured.clear()
+    for bad in ("--pool-breaker-failures=-1", "--pool-breaker-cooldown-ms=0"):
+        code, output = _serve([bad])
+        assert code == 2, output
+        assert bad.split("=")[0] in output
+    assert captured == []
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -569,6 +609,67 @@ def test_bad_pool_ownership_settings_are_usage_errors(
     code, output = _serve(args)
     assert code == 2, output
     assert message in output
+    assert captured == []
+
+
+def test_outlier_and_slow_start_flags(captured: list[ServeConfig]) -> None:
+    """docs/outliers.md: both on by default (5 failures, 30 s base, 300 s max, 10 %, 10 s decay;
+    a 30 s linear window with a 10 % floor); flags and environment variables; out-of-range
+    values, and a max below the base, are usage errors naming the flag."""
+    code, output = _serve([])
+    assert code == 0, output
+    p = captured[-1].proxy
+    assert (p.outlier_consecutive_failures, p.outlier_base_ejection_ms) == (5, 30_000)
+    assert (p.outlier_max_ejection_ms, p.outlier_max_ejection_percent) == (300_000, 10)
+    assert p.outlier_decay_interval_ms == 10_000
+    assert (p.slow_start_window_ms, p.slow_start_aggression) == (30_000, 1.0)
+    assert p.slow_start_min_weight_percent == 10.0
+    code, output = _serve(
+        [
+            "--outlier-consecutive-failures=0",
+            "--slow-start-window-ms=0",
+            "--slow-start-aggression=2",
+        ]
+    )
+    assert code == 0, output
+    p = captured[-1].proxy
+    assert (p.outlier_consecutive_failures, p.slow_start_window_ms) == (0, 0)
+    assert p.slow_start_aggression == 2.0
+    env = {
+        "STARGATE_OUTLIER_CONSECUTIVE_FAILURES": "3",
+        "STARGATE_OUTLIER_BASE_EJECTION_MS": "1000",
+        "STARGATE_OUTLIER_MAX_EJECTION_MS": "2000",
+        "STARGATE_OUTLIER_MAX_EJECTION_PERCENT": "50",
+        "STARGATE_OUTLIER_DECAY_INTERVAL_MS": "500",
+        "STARGATE_SLOW_START_WINDOW_MS": "5000",
+        "STARGATE_SLOW_START_AGGRESSION": "0.5",
+        "STARGATE_SLOW_START_MIN_WEIGHT_PERCENT": "2.5",
+    }
+    code, output = _serve([], env)
+    assert code == 0, output
+    p = captured[-1].proxy
+    assert (p.outlier_consecutive_failures, p.outlier_base_ejection_ms) == (3, 1_000)
+    assert (p.outlier_max_ejection_ms, p.outlier_max_ejection_percent) == (2_000, 50)
+    assert p.outlier_decay_interval_ms == 500
+    assert (p.slow_start_window_ms, p.slow_start_aggression) == (5_000, 0.5)
+    assert p.slow_start_min_weight_percent == 2.5
+    for flag, bad in (
+        ("--outlier-consecutive-failures", "-1"),
+        ("--outlier-base-ejection-ms", "0"),
+        ("--outlier-max-ejection-ms", "0"),
+        ("--outlier-max-ejection-percent", "101"),
+        ("--outlier-decay-interval-ms", "0"),
+        ("--slow-start-window-ms", "-1"),
+        ("--slow-start-aggression", "0"),
+        ("--slow-start-min-weight-percent", "100.5"),
+    ):
+        captured.clear()
+        code, output = _serve([f"{flag}={bad}"])
+        assert code == 2, (flag, output)
+        assert f"'{flag}'" in output
+        assert captured == []
+    code, output = _serve(["--outlier-max-ejection-ms=1000"])  # below the 30 s base
+    assert code == 2 and "--outlier-max-ejection-ms" in output
     assert captured == []
 
 

@@ -8,6 +8,7 @@ End to end: tests/e2e/test_client_limits.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -26,11 +27,16 @@ from stargate.asgi import ASGIMessage, ASGIReceive, ASGIScope, ASGISend, answer_
 from stargate.config import ListenAddress
 from stargate.http_limits import (
     CONNECTION_RESERVE,
+    DESCRIPTOR_HEADROOM,
+    MIN_COMPUTED_CAP,
+    UNLIMITED_OPEN_FILES,
     Admission,
     ConnectionLimit,
     admission,
     bare_refusal,
     check_open_file_limit,
+    computed_cap,
+    connection_cap,
     descriptors_needed,
     limit_connections,
     limit_http_clients,
@@ -78,6 +84,46 @@ def test_descriptors_needed_counts_an_upstream_connection_per_normal_slot() -> N
     assert descriptors_needed(512) > 1024
 
 
+@pytest.mark.parametrize(
+    ("open_files", "cap"),
+    [
+        (20_000, (20_000 - 32 - 128) // 2),  # 9,920: the operator's machine
+        (1_048_576, (1_048_576 - 32 - 128) // 2),  # containerd's default
+        (1024, 432),  # the usual soft limit without containers
+        (400, 120),
+        (177, 8),  # 17 // 2 = 8: just at the floor
+        (176, MIN_COMPUTED_CAP),  # 16 // 2
+        (160, MIN_COMPUTED_CAP),  # room for the reserve and headroom only: 0 -> the floor
+        (64, MIN_COMPUTED_CAP),  # below even that: negative -> the floor
+        (0, MIN_COMPUTED_CAP),
+    ],
+)
+def test_the_computed_cap_is_what_fits_two_descriptors_a_connection(
+    open_files: int, cap: int
+) -> None:
+    assert computed_cap(open_files) == cap
+    if cap > MIN_COMPUTED_CAP:
+        # The inverse of descriptors_needed: the cap fits, one more would not.
+        assert descriptors_needed(cap) <= open_files < descriptors_needed(cap + 1)
+
+
+def test_the_floor_is_documented_arithmetic() -> None:
+    assert MIN_COMPUTED_CAP == 8
+    assert computed_cap(2 * 8 + CONNECTION_RESERVE + DESCRIPTOR_HEADROOM) == 8
+    assert computed_cap(2 * 9 + CONNECTION_RESERVE + DESCRIPTOR_HEADROOM) == 9
+
+
+def test_an_unlimited_open_file_limit_counts_as_linux_s_ceiling() -> None:
+    expected = (UNLIMITED_OPEN_FILES - CONNECTION_RESERVE - DESCRIPTOR_HEADROOM) // 2
+    assert computed_cap(resource.RLIM_INFINITY) == expected
+    assert computed_cap(-1) == expected
+
+
+def test_a_larger_reserve_leaves_fewer_connections() -> None:
+    assert computed_cap(1024, reserve=0) == (1024 - 128) // 2
+    assert computed_cap(1024, reserve=64) == (1024 - 64 - 128) // 2
+
+
 # --- the connection count ------------------------------------------------------------------------
 
 
@@ -94,32 +140,47 @@ def test_connections_fill_the_cap_then_the_reserve_then_are_refused() -> None:
     metrics, registry = _metrics()
     limit = ConnectionLimit(2, 1, metrics=metrics)
     first, second, third = limit.admit(), limit.admit(), limit.admit()
-    assert first is not None and not first.reserved
-    assert second is not None and not second.reserved
-    assert third is not None and third.reserved
-    assert limit.admit() is None
-    assert _value(registry, "t_http_client_connections") == 3
+    assert not first.reserved and not first.refused
+    assert not second.reserved and not second.refused
+    assert third.reserved and not third.refused
+    refused = limit.admit()
+    assert refused.refused and not refused.reserved
+    assert (limit.open, limit.refusing) == (3, 1)
+    assert _value(registry, "t_http_client_connections") == 4  # it holds a descriptor too
     assert _value(registry, "t_http_connection_refusals_total", reason="full") == 1
     assert _value(registry, "t_http_connection_refusals_total", reason="reserve") == 0
+
+
+def test_a_refused_connection_takes_no_slot_and_promotes_nobody() -> None:
+    metrics, registry = _metrics()
+    limit = ConnectionLimit(1, 1, metrics=metrics)
+    normal, reserve, refused = limit.admit(), limit.admit(), limit.admit()
+    assert refused.refused
+    limit.release(refused)
+    limit.release(refused)  # idempotent
+    assert (limit.open, limit.refusing) == (2, 0)
+    assert reserve.reserved  # a refused connection leaving frees no normal slot
+    assert limit.admit().refused  # still full
+    limit.release(normal)
+    assert not reserve.reserved
+    assert _value(registry, "t_http_connection_refusals_total", reason="full") == 2
 
 
 def test_a_reserve_connection_takes_the_slot_a_normal_one_frees() -> None:
     limit = ConnectionLimit(1, 2)
     normal, early, late = limit.admit(), limit.admit(), limit.admit()
-    assert normal is not None and early is not None and late is not None
     assert (normal.reserved, early.reserved, late.reserved) == (False, True, True)
     limit.release(normal)
     assert (early.reserved, late.reserved) == (False, True)  # the oldest first
     limit.release(late)  # a reserve connection leaving promotes nobody
     assert limit.open == 1 and not early.reserved
-    assert limit.admit() is not None  # room in the reserve again
+    assert limit.admit().reserved  # room in the reserve again
 
 
 def test_release_is_idempotent() -> None:
     metrics, registry = _metrics()
     limit = ConnectionLimit(5, metrics=metrics)
     slot = limit.admit()
-    assert slot is not None
     limit.release(slot)
     limit.release(slot)
     assert limit.open == 0
@@ -130,7 +191,7 @@ def test_an_unlimited_listener_still_counts() -> None:
     metrics, registry = _metrics()
     limit = ConnectionLimit(0, metrics=metrics)
     slots = [limit.admit() for _ in range(100)]
-    assert all(slot is not None and not slot.reserved for slot in slots)
+    assert not any(slot.reserved or slot.refused for slot in slots)
     assert _value(registry, "t_http_client_connections") == 100
 
 
@@ -180,6 +241,67 @@ def test_check_open_file_limit_warns_when_the_cap_may_not_fit(
     assert bool(warnings) is warns
     if warns:
         assert f"--max-client-connections={cap}" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "cap"),
+    [
+        (1024, 20_000, 9_920),  # raised to the hard limit first, then computed
+        (1024, 1024, 432),
+        (64, 64, MIN_COMPUTED_CAP),
+    ],
+)
+def test_the_default_cap_is_computed_from_the_raised_limit_and_logged(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    soft: int,
+    hard: int,
+    cap: int,
+) -> None:
+    fake = _FakeRlimit(soft, hard)
+    monkeypatch.setattr(http_limits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(http_limits.resource, "setrlimit", fake.setrlimit)
+    with caplog.at_level(logging.INFO, logger="stargate.http_limits"):
+        assert connection_cap(None) == cap
+    assert fake.limits == (hard, hard)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    (line,) = [line for line in lines if line.startswith("max client connections")]
+    assert f"max client connections: {cap}, computed from the open-file limit ({hard})" in line
+    assert "(limit - 32 reserve - 128 headroom) / 2" in line
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(warned) is (cap == MIN_COMPUTED_CAP)  # only the floor may not fit
+
+
+def test_an_unlimited_limit_is_logged_as_such(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    infinity = resource.RLIM_INFINITY
+    fake = _FakeRlimit(infinity, infinity)
+    monkeypatch.setattr(http_limits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(http_limits.resource, "setrlimit", fake.setrlimit)
+    with caplog.at_level(logging.INFO, logger="stargate.http_limits"):
+        assert connection_cap(None) == computed_cap(UNLIMITED_OPEN_FILES)
+    assert f"unlimited, counted as {UNLIMITED_OPEN_FILES}" in caplog.text
+    assert "WARNING" not in [r.levelname for r in caplog.records]
+
+
+@pytest.mark.parametrize(("configured", "warns"), [(0, False), (20, False), (5_000, True)])
+def test_an_explicit_cap_wins_and_warns_when_it_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    configured: int,
+    warns: bool,
+) -> None:
+    fake = _FakeRlimit(1024, 1024)
+    monkeypatch.setattr(http_limits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(http_limits.resource, "setrlimit", fake.setrlimit)
+    with caplog.at_level(logging.INFO, logger="stargate.http_limits"):
+        assert connection_cap(configured) == configured
+    assert "computed from the open-file limit" not in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(warned) is warns
+    if warns:
+        assert f"--max-client-connections={configured}" in warned[0]
 
 
 # --- the request-body deadline -------------------------------------------------------------------
@@ -529,3 +651,72 @@ def test_without_a_body_timeout_the_app_is_served_as_is_and_connections_still_co
     app = _ReadingApp()
     assert limit_http_clients(app, listener, body_timeout=None, max_connections=0) is app
     assert listener_admission(listener) is not None
+
+
+# --- past the cap and the reserve, on a real listener ---------------------------------------------
+
+
+async def _read_all(stream: trio.SocketStream) -> bytes:
+    received = b""
+    with contextlib.suppress(trio.BrokenResourceError):
+        while chunk := await stream.receive_some(65536):
+            received += chunk
+    return received
+
+
+async def test_past_the_reserve_a_connection_is_answered_503_and_an_idle_one_cut_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cap 1, no reserve: a second connection is answered `503 too_many_connections` with
+    `Connection: close` (its app never runs) and closed; a third that sends nothing is closed at
+    `REFUSAL_DEADLINE`, not at the 5 s keep-alive timeout. Both are counted `full`, and neither
+    holds its count once closed."""
+    monkeypatch.setattr(http_limits, "REFUSAL_DEADLINE", 0.5)
+    metrics, registry = _metrics()
+    limit = ConnectionLimit(1, 0, metrics=metrics)
+    served: list[str] = []
+
+    async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        served.append(scope["path"])
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = bind_listener("HTTP", ListenAddress("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = hypercorn_config(5.0)
+    limit_connections(config, limit)
+    stop = trio.Event()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_asgi, app, sock, config, stop.wait)
+            holder = await trio.open_tcp_stream("127.0.0.1", port)
+            await holder.send_all(b"GET /held HTTP/1.1\r\nhost: t\r\n\r\n")
+            assert (await holder.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+
+            refused = await trio.open_tcp_stream("127.0.0.1", port)
+            await refused.send_all(b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n")
+            answer = await _read_all(refused)
+            await refused.aclose()
+            head = answer.split(b"\r\n\r\n")[0].lower()
+            assert head.startswith(b"http/1.1 503 ")
+            assert b"x-stargate-error-code: too_many_connections" in head
+            assert b"retry-after: 1" in head and b"connection: close" in head
+
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            started = trio.current_time()
+            assert await _read_all(idle) == b""
+            took = trio.current_time() - started
+            await idle.aclose()
+            assert 0.4 <= took < 2.0, took
+            assert served == ["/held"]
+            with trio.fail_after(1):
+                while limit.refusing:  # noqa: ASYNC110 (the count has no event)
+                    await trio.sleep(0.01)
+            assert limit.open == 1
+            await holder.aclose()
+            stop.set()
+    assert _value(registry, "t_http_connection_refusals_total", reason="full") == 2

@@ -265,6 +265,16 @@ def test_optional_values() -> None:
     assert parse_pool_config(data).pools[0].pool.swap_budget == 1.5
 
 
+def test_breaker_overrides() -> None:
+    """docs/activator.md, "Breaker": absent keys leave the flags' values (None here)."""
+    data = _base()
+    assert parse_pool_config(data).pools[0].pool.breaker_failures is None
+    assert parse_pool_config(data).pools[0].pool.breaker_cooldown is None
+    data["pools"][0].update(breakerFailures=0, breakerCooldown="2m")
+    pool = parse_pool_config(data).pools[0].pool
+    assert (pool.breaker_failures, pool.breaker_cooldown) == (0, 120.0)
+
+
 def test_fake_controller_needs_no_member_entries() -> None:
     data = _base()
     data["pools"][0]["controller"] = {"kind": "fake"}
@@ -450,6 +460,26 @@ FAKE = {"kind": "fake"}
             _mutated(["pools", 0, "maxHeld"], True),
             ["pools[0] (gpu0).maxHeld: expected a positive integer"],
             id="max-held-bool",
+        ),
+        pytest.param(
+            _mutated(["pools", 0, "breakerFailures"], -1),
+            ["pools[0] (gpu0).breakerFailures: expected an integer >= 0"],
+            id="negative-breaker-failures",
+        ),
+        pytest.param(
+            _mutated(["pools", 0, "breakerFailures"], True),
+            ["pools[0] (gpu0).breakerFailures: expected an integer >= 0"],
+            id="breaker-failures-bool",
+        ),
+        pytest.param(
+            _mutated(["pools", 0, "breakerCooldown"], 0),
+            ["pools[0] (gpu0).breakerCooldown: must be > 0"],
+            id="zero-breaker-cooldown",
+        ),
+        pytest.param(
+            _mutated(["pools", 0, "breakerCooldown"], "soon"),
+            ["pools[0] (gpu0).breakerCooldown: invalid duration"],
+            id="bad-breaker-cooldown",
         ),
         pytest.param(
             _mutated(["pools", 0, "swapBudjet"], "90s"),

@@ -32,6 +32,7 @@ from stargate.activator import (
     Grant,
     HoldTimeout,
     IncumbentBusy,
+    PoolMemberUnavailable,
     PoolQueueFull,
     PoolSpec,
     SwapFailed,
@@ -50,7 +51,9 @@ POOLS = [
     PoolSpec("p3", ("a3", "b3", "c3"), swap_budget=3.0, hold_budget=1.0),
 ]
 MEMBERS = [(spec, m) for spec in POOLS for m in spec.members]
-ALLOWED_ERRORS = (HoldTimeout, SwapFailed, IncumbentBusy, PoolQueueFull)
+# PoolMemberUnavailable: the member's breaker is open after failed swaps in a row (the injected
+# controller errors and hangs trip it; docs/activator.md, "Breaker").
+ALLOWED_ERRORS = (HoldTimeout, SwapFailed, IncumbentBusy, PoolQueueFull, PoolMemberUnavailable)
 
 
 @dataclass

@@ -94,6 +94,7 @@ DOCUMENTED = frozenset(
         "SwapFailed[deadline]",  # 502 pool_swap_failed (abandoned)
         "SwapFailed[error]",  # 502 pool_swap_failed (a controller error)
         "IncumbentBusy",  # 503 pool_incumbent_busy
+        "PoolMemberUnavailable",  # 503 pool_member_unavailable: its breaker is open
         "NoPoolOwner",  # 503 pool_owner_unavailable
         "PoolOwnerMoved",  # 503 pool_owner_moved
         "relay_failed",  # 502 pool_relay_failed: the owner's head came too late

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stargate.proxy.json_scan import MAX_DEPTH, top_level_string
+from stargate.proxy.json_scan import MAX_DEPTH, top_level_string, top_level_true
 
 Outcome = tuple[str, str | None]
 
@@ -55,15 +55,35 @@ def scanned(body: bytes | bytearray, nested: int | None = None) -> Outcome:
     return ("no model", None) if model is None else ("model", model)
 
 
+def reference_true(body: bytes) -> bool | None:
+    """`"model": true` at the top level by json.loads (None: refused)."""
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return isinstance(document, dict) and document.get("model") is True
+
+
+def scanned_true(body: bytes | bytearray, nested: int) -> bool | None:
+    """`top_level_true`, the same scan read for the literal `true` (a request's `"stream"`)."""
+    try:
+        return top_level_true(body, "model", nested=nested)
+    except ValueError:
+        return None
+
+
 def check(body: bytes) -> None:
     """The scan agrees with json.loads, on `bytes` and on `bytearray`, and whether it matches
     containers whole in its runs (as it does, 4 deep) or takes every one through its state
-    machine (0), or a mix (1)."""
+    machine (0), or a mix (1); and so does `top_level_true` on whether the key is `true`."""
     expected = reference(body)
     assert scanned(body) == expected, body
     assert scanned(bytearray(body)) == expected, body
     assert scanned(body, nested=0) == expected, body
     assert scanned(body, nested=1) == expected, body
+    truth = reference_true(body)
+    assert scanned_true(body, 4) == truth, body
+    assert scanned_true(bytearray(body), 0) == truth, body
 
 
 # ---- documents ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from stargate.activator import (
     ActivatorError,
     HoldTimeout,
     IncumbentBusy,
+    PoolMemberUnavailable,
     PoolQueueFull,
     PoolSpec,
     SwapFailed,
@@ -36,6 +37,9 @@ ERRORS: list[tuple[ActivatorError, int, str | None]] = [
     (IncumbentBusy("busy", pool="p", member="m"), 503, "5"),
     (PoolQueueFull("full", pool="p", member="m"), 503, "5"),
     (ActivatorError("other", pool="p", member="m"), 502, None),
+    # Computed where raised from the member's swap times (docs/activator.md, Measured waiting).
+    (HoldTimeout("held too long", pool="p", member="m", retry_after=37), 503, "37"),
+    (PoolMemberUnavailable("breaker open", pool="p", member="m", retry_after=30), 503, "30"),
 ]
 
 
@@ -51,7 +55,9 @@ def test_every_pool_error_carries_its_code_header(
     assert codes == [error.code.encode()]  # exactly one, in both forms
     assert error.code.startswith("pool_")
     assert dict(headers)[b"content-type"] == b"application/json"
-    assert dict(headers).get(b"retry-after") == (None if retry_after is None else b"5")
+    assert dict(headers).get(b"retry-after") == (
+        None if retry_after is None else retry_after.encode()
+    )
     document = json.loads(body)
     assert document["error"]["code"] == error.code
     assert document["error"]["message"] == str(error)
