@@ -174,6 +174,13 @@ class MockBackendProcess:
                 self.process.wait()
 
 
+def mock_engine_command(model: str, *extra: str) -> list[str]:
+    """The command of a model pool member (the `process` controller) that runs `stargate
+    mock-backend` for `model` on the port the controller picks (`{port}`)."""
+    command = [sys.executable, "-m", "stargate", "mock-backend", "--port", "{port}"]
+    return [*command, "--model", model, "--log-level", "warning", *extra]
+
+
 def launch_mock_backend(*args: str) -> MockBackendProcess:
     """Start `python -m stargate mock-backend --port 0 ARGS...` and wait for its port."""
     process = subprocess.Popen(

@@ -9,10 +9,7 @@ upstream. Real clock, loopback only.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +21,11 @@ import h11
 import httpx
 import pytest
 
+from tests.e2e.nginx import nginx_in_front
 from tests.e2e.processes import (
     MockBackendProcess,
     Ports,
     StargateProcess,
-    free_port,
     launch,
     launch_mock_backend,
     stop,
@@ -359,67 +356,12 @@ def test_a_client_vanishing_mid_stream_is_reaped(replica: Replica) -> None:
 
 # --- nginx in front ------------------------------------------------------------------------------
 
-NGINX_CONF = """\
-{user}worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log info;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            # nginx's defaults otherwise: HTTP/1.0 and Connection: close to the upstream.
-            proxy_pass http://127.0.0.1:{upstream};
-        }}
-    }}
-}}
-"""
-
 
 @pytest.fixture
 def nginx(replica: Replica, tmp_path: Path) -> Iterator[int]:
     """nginx in front of the replica's HTTP port, as a child process; yields its port."""
-    binary = shutil.which("nginx")
-    if binary is None:
-        pytest.skip("nginx is not installed (.ci/run installs it)")
-    port = free_port()
-    root = os.geteuid() == 0
-    (tmp_path / "nginx.conf").write_text(
-        NGINX_CONF.format(
-            user="user root;\n" if root else "",  # workers can then use the 0700 temp dir
-            prefix=tmp_path,
-            port=port,
-            upstream=replica.ports.http,
-        )
-    )
-    command = [binary, "-p", str(tmp_path), "-c", "nginx.conf", "-g", "daemon off;"]
-    process = subprocess.Popen(
-        [*command, "-e", str(tmp_path / "error.log")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-
-        def accepting() -> bool:
-            assert process.poll() is None, (tmp_path / "error.log").read_text()
-            with socket.socket() as sock:
-                return sock.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_until(accepting, 10, "nginx")
+    with nginx_in_front(tmp_path, replica.ports.http) as port:
         yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_an_sse_stream_through_nginx_ends_right_after_done(replica: Replica, nginx: int) -> None:

@@ -10,15 +10,10 @@ the head and a first comment arrive at once and a comment every 5 s keeps the re
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +23,10 @@ import openai
 import pytest
 import yaml
 
+from tests.e2e.nginx import nginx_in_front
 from tests.e2e.processes import (
     Ports,
     StargateProcess,
-    free_port,
     launch,
     launch_mock_backend,
     stop,
@@ -105,73 +100,6 @@ def _sdk(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=10.0)
 
 
-# --- nginx in front, default proxy settings (the config of tests/e2e/test_connection_close.py)
-
-NGINX_CONF = """\
-{user}worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log info;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://127.0.0.1:{upstream};
-        }}
-    }}
-}}
-"""
-
-
-def _nginx(prefix: Path, upstream: int) -> tuple[subprocess.Popen[bytes], int]:
-    binary = shutil.which("nginx")
-    if binary is None:
-        pytest.skip("nginx is not installed (.ci/run installs it)")
-    prefix.mkdir()
-    port = free_port()
-    (prefix / "nginx.conf").write_text(
-        NGINX_CONF.format(
-            user="user root;\n" if os.geteuid() == 0 else "",
-            prefix=prefix,
-            port=port,
-            upstream=upstream,
-        )
-    )
-    command = [binary, "-p", str(prefix), "-c", "nginx.conf", "-g", "daemon off;"]
-    process = subprocess.Popen(
-        [*command, "-e", str(prefix / "error.log")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-
-    def accepting() -> bool:
-        assert process.poll() is None, (prefix / "error.log").read_text()
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_until(accepting, 10, "nginx")
-    return process, port
-
-
-@pytest.fixture
-def nginx_processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for process in processes:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 # --- the SDK's stream, timed ----------------------------------------------------------------------
 
 
@@ -207,43 +135,40 @@ def _stream(client: openai.OpenAI, model: str, started: float, into: Streamed) -
         into.error = error
 
 
-def test_a_20_s_cold_swap_streams_to_the_sdk_directly_and_behind_nginx(
-    tmp_path: Path, nginx_processes: list[subprocess.Popen[bytes]]
-) -> None:
+def test_a_20_s_cold_swap_streams_to_the_sdk_directly_and_behind_nginx(tmp_path: Path) -> None:
     """Both requests wait for the same 20 s cold start (one swap), one straight to the replica,
     one through nginx; both clients have a 10 s read timeout."""
     pools = [_pool("gpu0", {"cold": _engine("cold", COLD_START)}, "60s")]
     served = _serve(tmp_path, pools)
     try:
-        nginx, port = _nginx(tmp_path / "nginx", served.ports.http)
-        nginx_processes.append(nginx)
-        direct, proxied = Streamed(), Streamed()
-        started = time.monotonic()
-        threads = [
-            threading.Thread(target=_stream, args=(_sdk(served.base), "cold", started, direct)),
-            threading.Thread(
-                target=_stream,
-                args=(_sdk(f"http://127.0.0.1:{port}"), "cold", started, proxied),
-            ),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=COLD_START + 30)
-        for name, result in (("direct", direct), ("nginx", proxied)):
-            print(
-                f"\n{name}: head {result.head:.3f} s, first token {result.first_token:.3f} s, "
-                f"total {result.total:.3f} s"
-                if result.error is None
-                else f"\n{name}: {result.error!r}"
-            )
-        for result in (direct, proxied):
-            assert result.error is None, repr(result.error)
-            assert result.head is not None and result.total is not None
-            assert result.head < 1.0  # the loading head: at once, not after the cold start
-            assert result.total >= COLD_START - 1  # the engine really was cold
-            assert result.text.startswith("Hello")  # the engine's tokens, unchanged
-            assert result.finish_reasons == ["stop"]
+        with nginx_in_front(tmp_path / "nginx", served.ports.http) as nginx:
+            direct, proxied = Streamed(), Streamed()
+            started = time.monotonic()
+            threads = [
+                threading.Thread(target=_stream, args=(_sdk(served.base), "cold", started, direct)),
+                threading.Thread(
+                    target=_stream,
+                    args=(_sdk(f"http://127.0.0.1:{nginx}"), "cold", started, proxied),
+                ),
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=COLD_START + 30)
+            for name, result in (("direct", direct), ("nginx", proxied)):
+                print(
+                    f"\n{name}: head {result.head:.3f} s, first token {result.first_token:.3f} s, "
+                    f"total {result.total:.3f} s"
+                    if result.error is None
+                    else f"\n{name}: {result.error!r}"
+                )
+            for result in (direct, proxied):
+                assert result.error is None, repr(result.error)
+                assert result.head is not None and result.total is not None
+                assert result.head < 1.0  # the loading head: half a second in, not at the end
+                assert result.total >= COLD_START - 1  # the engine really was cold
+                assert result.text.startswith("Hello")  # the engine's tokens, unchanged
+                assert result.finish_reasons == ["stop"]
     finally:
         stop(served.replica)
 

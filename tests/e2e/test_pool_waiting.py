@@ -5,7 +5,6 @@ them slow to start, and one that cannot start at all; real HTTP clients, the rea
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,27 +12,14 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.processes import Ports, launch, stop, wait_until
+from tests.e2e.processes import Ports, launch, mock_engine_command, stop, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 SLOW_START = 5  # seconds the slow member sleeps before its engine starts: rounding Retry-After
 # up to whole seconds adds less than 1 s, under 25 % of a swap this long
 
 
-def _engine(model: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "stargate",
-        "mock-backend",
-        "--port",
-        "{port}",
-        "--model",
-        model,
-        "--log-level",
-        "warning",
-        *extra,
-    ]
+_engine = mock_engine_command
 
 
 def _chat(base: str, model: str, timeout: float = 60) -> httpx.Response:

@@ -10,17 +10,13 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.processes import Ports, launch, stop, wait_until
+from tests.e2e.processes import Ports, launch, mock_engine_command, stop, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 def _member(model: str) -> dict[str, object]:
-    command = [sys.executable, "-m", "stargate", "mock-backend", "--port", "{port}"]
-    return {
-        "command": [*command, "--model", model, "--log-level", "warning"],
-        "healthPath": "/health",
-    }
+    return {"command": mock_engine_command(model), "healthPath": "/health"}
 
 
 def _write_pools(path: Path, hold: str = "20s") -> Path:

@@ -26,26 +26,14 @@ from stargate.activator.metrics import ActivatorMetrics
 from stargate.activator.pool import Activator, PoolSpec
 from stargate.activator.process import MemberCommand, ProcessController
 from stargate.routing.state import RoutingState, RoutingTargetKey
+from tests.e2e.processes import mock_engine_command
 
 POOL = "local"
 WAIT = 15.0  # bound on any single wait for a real process (startup is well under a second)
 
 
 def mock_engine(model: str) -> MemberCommand:
-    return MemberCommand(
-        (
-            sys.executable,
-            "-m",
-            "stargate",
-            "mock-backend",
-            "--port",
-            "{port}",
-            "--model",
-            model,
-            "--log-level",
-            "warning",
-        )
-    )
+    return MemberCommand(tuple(mock_engine_command(model)))
 
 
 MEMBERS = {"model-a": mock_engine("model-a"), "model-b": mock_engine("model-b")}

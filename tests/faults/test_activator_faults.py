@@ -49,7 +49,14 @@ import pytest
 import trio
 import yaml
 
-from tests.e2e.processes import Ports, StargateProcess, launch, stop, wait_until
+from tests.e2e.processes import (
+    Ports,
+    StargateProcess,
+    launch,
+    mock_engine_command,
+    stop,
+    wait_until,
+)
 from tests.faults.support import Tally, metric_sum
 
 pytestmark = pytest.mark.faults
@@ -66,19 +73,7 @@ RESYNC = 1.0  # --pool-resync-interval-ms, seconds
 GAPS = {"model-a": 0.3, "model-broken": 1.0, "model-c": 0.5, "model-slow": 2.0}
 
 
-def _mock_command(model: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "stargate",
-        "mock-backend",
-        "--port",
-        "{port}",
-        "--model",
-        model,
-        "--log-level",
-        "warning",
-    ]
+_mock_command = mock_engine_command
 
 
 def _member(command: list[str]) -> dict[str, object]:
