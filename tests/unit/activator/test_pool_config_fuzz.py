@@ -420,8 +420,13 @@ def test_an_edited_example_parses_or_names_the_edited_key() -> None:
 @settings(max_examples=300, deadline=None, database=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
+    # A file holds UTF-8, which has no surrogates: a surrogate made the test's own write fail.
     damage=st.lists(
-        st.tuples(st.integers(0, 10_000), st.sampled_from(["insert", "delete"]), st.characters()),
+        st.tuples(
+            st.integers(0, 10_000),
+            st.sampled_from(["insert", "delete"]),
+            st.characters(codec="utf-8"),
+        ),
         min_size=1,
         max_size=4,
     ),
