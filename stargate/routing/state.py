@@ -128,7 +128,15 @@ class ClusterGeneration:
 class Registration:
     """One admitted registration stream. Compared by identity, never by id string."""
 
-    __slots__ = ("_applying_previous", "cluster", "ended", "identity", "kv_blocks", "models")
+    __slots__ = (
+        "_applying_previous",
+        "_targets",
+        "cluster",
+        "ended",
+        "identity",
+        "kv_blocks",
+        "models",
+    )
 
     def __init__(self, identity: RegistrationIdentity, cluster: ClusterGeneration) -> None:
         self.identity = identity
@@ -138,6 +146,8 @@ class Registration:
         self.ended = False
         self.kv_blocks: KvBlocks | None = None
         """The engine's cached prefix blocks, once its Pylon published a KV delta."""
+        # Each model's target key, made once: every heartbeat names the same models again.
+        self._targets: dict[str, RoutingTargetKey] = {}
 
     @property
     def kv_view(self) -> AbstractSet[int]:
@@ -146,7 +156,10 @@ class Registration:
         return NO_KV_BLOCKS if blocks is None else blocks.view
 
     def target(self, model_id: str) -> RoutingTargetKey:
-        return RoutingTargetKey(self.identity.routing_key, model_id)
+        target = self._targets.get(model_id)
+        if target is None:
+            target = self._targets[model_id] = RoutingTargetKey(self.identity.routing_key, model_id)
+        return target
 
     def __repr__(self) -> str:
         return f"Registration({self.identity.inference_server_id!r}, ended={self.ended})"
@@ -334,6 +347,7 @@ class _Cluster:
         "reserved_tokens",
         "snapshot",
         "source_id",
+        "stale",
         "view",
     )
 
@@ -342,6 +356,9 @@ class _Cluster:
         self.backends: dict[str, BackendSnapshot] = {}
         self.source_id: str | None = None
         self.snapshot: ClusterSnapshot | None = None  # the base: aggregated, no reservations
+        # The backends changed since `snapshot` was built: rebuilt by the next read, not by every
+        # heartbeat (docs/performance.md, "Control plane").
+        self.stale = False
         self.pending: dict[Reservation, None] = {}  # insertion-ordered set of active reservations
         # The same reservations by backend id, so a heartbeat (the registration apply loop)
         # releases its own without scanning the whole cluster's.
@@ -351,10 +368,19 @@ class _Cluster:
         self.view: ClusterSnapshot | None = None  # cached base + pending; None = recompute
 
     def refresh(self) -> None:
-        """Recompute the cluster snapshot after an insert, replace or removal.
+        """Note an insert, replace or removal: the snapshot is rebuilt when next read.
 
-        docs/control-plane.md, Cluster aggregation.
+        A heartbeat changes its backend's statistics every time, and most heartbeats are never
+        read before the next one replaces them (a target's snapshot is built only when a request
+        needs it), so the aggregation runs once per read of a changed cluster rather than once
+        per heartbeat.
         """
+        self.stale = True
+        self.view = None
+
+    def _rebuild(self) -> None:
+        """Recompute the cluster snapshot (docs/control-plane.md, Cluster aggregation)."""
+        self.stale = False
         if self.source_id not in self.backends:
             # The source left: keep latest-wins fields from the most recently updated backend.
             self.source_id = max(
@@ -374,6 +400,8 @@ class _Cluster:
     def current(self) -> ClusterSnapshot | None:
         """The base snapshot with every pending reservation applied (cached until either
         changes)."""
+        if self.stale:
+            self._rebuild()
         if self.view is None and self.snapshot is not None:
             base = self.snapshot
             if self.pending:
@@ -503,6 +531,7 @@ class RoutingState:
         # 2. Routes of models no longer listed go.
         for model_id in previous - advertised:
             self._remove(registration, registration.target(model_id))
+            registration._targets.pop(model_id, None)  # keys only of models still listed
         # 3. Upsert or remove each listed model.
         for model_id, route in models.items():
             if route is None:

@@ -362,3 +362,49 @@ def test_a_one_backend_cluster_aggregates_as_the_general_rule_does(
     assert alone == general
     if len(set(capabilities)) == len(capabilities) and len(set(sources)) == len(sources):
         assert (alone is stats) == (tps == 0 or (math.isfinite(tps) and tps > 0))
+
+
+def test_heartbeats_rebuild_a_cluster_only_when_it_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aggregation runs once per read of a changed cluster, not once per heartbeat
+    (docs/performance.md, "Control plane"), and every read sees the latest heartbeat."""
+    import stargate.routing.state as state_module
+
+    calls: list[int] = []
+
+    def counting(backends: list[ModelStats], source: ModelStats) -> ModelStats:
+        calls.append(len(backends))
+        return aggregate_stats(backends, source)
+
+    monkeypatch.setattr(state_module, "aggregate_stats", counting)
+    state = RoutingState()
+    mine = state.begin(_identity("a", "shared"))
+    theirs = state.begin(_identity("b", "shared"))
+    state.apply(theirs, {"m": _route(queue_size=100, received_at=0.0)})
+    before = state.snapshot(_target("m"))
+    assert before is not None and calls == [1]
+    for beat in range(1, 51):
+        state.apply(mine, {"m": _route(queue_size=beat, received_at=float(beat))})
+    assert calls == [1]  # fifty heartbeats, nothing read: nothing aggregated
+    after = state.snapshot(_target("m"))
+    assert after is not None and calls == [1, 2]
+    (cluster,) = after.clusters
+    assert cluster.stats.queue_size == 150  # summed: b's 100 and a's latest, 50
+    assert cluster.received_at == 50.0  # latest-wins from the last updated backend
+    assert before.clusters[0].stats.queue_size == 100  # a snapshot already taken is kept
+    assert state.snapshot(_target("m")) is after and calls == [1, 2]  # cached until a change
+    state.end(mine)
+    (cluster,) = state.snapshot(_target("m")).clusters  # type: ignore[union-attr]
+    assert cluster.stats.queue_size == 100 and cluster.received_at == 0.0  # the source left
+
+
+def test_a_registration_keeps_one_target_key_per_listed_model() -> None:
+    state = RoutingState()
+    reg = state.begin(_identity("pylon-1", routing_key="k"))
+    state.apply(reg, {"a": _route(), "b": _route()})
+    key = reg.target("a")
+    assert key == RoutingTargetKey("k", "a")
+    state.apply(reg, {"a": _route(), "b": _route()})
+    assert reg.target("a") is key  # made once, not per heartbeat
+    state.apply(reg, {"a": _route()})
+    assert set(reg._targets) == {"a"}  # a model no longer listed leaves no key behind
+    assert state.list_models("k") == ["a"]
