@@ -88,23 +88,32 @@ BENCH_PARTS = {
     "affinity",
     "routing",
     "capacity",
+    "peers",
 }
 
 
 SGLANG_ROUTER = "sglang-router==0.3.2"
-"""The affinity part's comparison router (benchmarks/affinity.py). Only the bench sessions install
-it, never the project's extras; without it that part skips the sglang-router rows."""
+"""The affinity part's comparison router (benchmarks/affinity.py), and one of the peers part's
+(benchmarks/peers.py). Only the bench sessions install it, never the project's extras; without it
+those parts skip the sglang-router rows."""
+VLLM_ROUTER = "vllm-router==0.1.17"
+"""The peers part's other Rust router (benchmarks/peers.py), installed the same way."""
 
 
 def _bench(session: nox.Session) -> None:
     session.install("-e", ".[test,bench]")
     parts = set(session.posargs) & BENCH_PARTS
-    if not parts or "affinity" in parts:
+    if not parts or parts & {"affinity", "peers"}:
         try:
             session.install(SGLANG_ROUTER)
         except nox.command.CommandFailed:
-            session.log(f"{SGLANG_ROUTER} did not install: the affinity part skips its rows")
-    wants_nginx = not parts or "proxy" in parts
+            session.log(f"{SGLANG_ROUTER} did not install: affinity and peers skip its rows")
+    if not parts or "peers" in parts:
+        try:
+            session.install(VLLM_ROUTER)
+        except nox.command.CommandFailed:
+            session.log(f"{VLLM_ROUTER} did not install: the peers part skips its column")
+    wants_nginx = not parts or parts & {"proxy", "peers"}
     if wants_nginx and not (shutil.which("nginx") or Path("/usr/sbin/nginx").exists()):
         if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
             session.log("nginx is missing: trying apt-get install -y nginx-light")
@@ -119,9 +128,11 @@ def _bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """The loopback benchmark suite (benchmarks/__main__.py): `nox -s bench` runs proxy, stream,
-    registration, readiness, activator and affinity; `nox -s bench -- NAME [NAME...] [--quick]
-    [--profile] [options; see --help]` chosen parts (`capacity` and `routing` only when named).
-    The affinity part also gets sglang-router 0.3.2 installed (when it installs) to compare with.
+    registration, readiness, activator, affinity, prefix-decision, client-limits and peers;
+    `nox -s bench -- NAME [NAME...] [--quick] [--profile] [options; see --help]` chosen parts
+    (`capacity`, `routing` and `tunnels` only when named). The affinity and peers parts also get
+    sglang-router 0.3.2 installed, and peers vllm-router 0.1.17 (each when it installs), to
+    compare with.
     Results in bench-results/ (<part>.md, <part>.json, charts, summary.md)."""
     _bench(session)
 

@@ -2,8 +2,9 @@
 `nox -s bench -- [PART ...] [options]` runs (`nox -s bench-3.13` on Python 3.13).
 
 Without PART it runs the default suite in order: proxy, stream, registration, readiness, activator,
-affinity, prefix-decision, client-limits (each its own module in this package; `-` in a name is
-`_` in the module's). `routing` (benchmarks/routing.py: routing by real
+affinity, prefix-decision, client-limits, peers (each its own module in this package; `-` in a
+name is `_` in the module's; peers is benchmarks/peers.py, stargate beside nginx, vllm-router and
+sglang-router). `routing` (benchmarks/routing.py: routing by real
 load through real Pylons, and the Pylon hop's cost; about 5 minutes), `tunnels`
 (benchmarks/tunnels.py: the Pylon hop over the QUIC tunnels, raw-quic and http3, against HTTP;
 about 3 minutes) and `capacity` (benchmarks/capacity.py) run only when named. Each part starts its
@@ -14,11 +15,12 @@ where they mean something; `bench-results/summary.md` then gathers every part's 
 A part that fails is reported and the suite goes on to the next one; the exit status is 1 if any
 part failed.
 
-`--quick` is a smoke run of every part (the whole default suite in under 3 minutes); the full
-default suite takes about 13 minutes on a 2-core machine. `--profile` records a py-spy flame graph
-of the replica during each part's measured phase (`bench-results/<part>.svg`). `--python PATH`
-runs every server process (replica, mock engines, no-op app) on another interpreter whose
-environment has this project installed; the load generators stay on this one.
+`--quick` is a smoke run of every part (the whole default suite in about 5 minutes, peers 2 of
+them); the full default suite takes about 17 minutes on a 2-core machine (peers about 4).
+`--profile` records a py-spy flame graph of the replica during each part's measured phase
+(`bench-results/<part>.svg`). `--python PATH` runs every server process (replica, mock
+engines, no-op app) on another interpreter whose environment has this project installed; the
+load generators stay on this one.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ DEFAULT_PARTS = (
     "affinity",
     "prefix-decision",
     "client-limits",
+    "peers",
 )
 PARTS = (*DEFAULT_PARTS, "routing", "tunnels", "capacity")
 
@@ -97,6 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     registration.add_argument(
         "--window", type=float, help="CPU window per registration level, s (10; quick 3)"
+    )
+    registration.add_argument(
+        "--static-stats",
+        action="store_true",
+        help="re-send each registration unchanged (default: new statistics every heartbeat)",
     )
     readiness = parser.add_argument_group("readiness")
     readiness.add_argument("--pylons", help="Pylon counts joining, comma-separated (0,10,100)")

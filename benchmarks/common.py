@@ -795,6 +795,7 @@ SUMMARY_ORDER = (
     "readiness",
     "activator",
     "affinity",
+    "peers",
     "routing",
     "capacity",
     "tunnels",

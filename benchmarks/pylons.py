@@ -13,8 +13,15 @@ Driven by one JSON command per stdin line, one JSON answer per stdout line (`pyt
 benchmarks.pylons`):
 
 * `{"op": "open", "grpc_port": P, "registrations": [[id, url, [models...]], ...],
-  "admit_seconds": S, "heartbeat_ms": 1000}`: open them (64 at a time), wait up to S seconds
-  for their first acks; answer `admitted`, `failed` (ended by the replica), `pending`, `seconds`.
+  "admit_seconds": S, "heartbeat_ms": 1000, "changing_stats": true}`: open them (64 at a time),
+  wait up to S seconds for their first acks; answer `admitted`, `failed` (ended by the replica),
+  `pending`, `seconds`.
+
+Every heartbeat carries new statistics, as a Pylon measuring its engine sends
+(docs/pylon-data-path.md; the fields `stargate/pylon/stats/aggregator.py` fills): queue depth,
+running and queued work, TPS, KV-cache use and the observation time change on each message, so
+the replica cannot take a heartbeat for a repeat of the last one. `"changing_stats": false`
+re-sends the first message unchanged (the figures before the Pylon measured every request).
 * `{"op": "stats", "since": T0, "until": T1}` (time.monotonic() instants): acks that arrived in
   the window and their latencies (ms), streams live and ended, heartbeats sent, this process's CPU.
 * `{"op": "close"}`: end every stream; `{"op": "quit"}`: end them and exit.
@@ -32,35 +39,90 @@ from typing import Any
 
 from benchmarks.common import HEARTBEAT_HEADER
 
+KV_CAPACITY_TOKENS = 400_000
+"""A mid-sized engine's KV cache, in tokens."""
+
+
+def live_stats(rng: random.Random, beat: int) -> Any:
+    """One model's statistics at heartbeat `beat`, as a busy Pylon publishes them: every field a
+    Pylon refreshes on each heartbeat has a new value (a random walk around a plausible load)."""
+    from stargate.protocol import stargate_pb2 as pb
+
+    running = rng.randint(0, 24)
+    queued = rng.randint(0, 12)
+    queued_tokens = queued * rng.randint(200, 2_000)
+    used = rng.randint(0, KV_CAPACITY_TOKENS)
+    input_tps = rng.uniform(2_000.0, 12_000.0)
+    return pb.ModelStats(
+        last_mean_input_tps=input_tps,
+        output_tps=rng.uniform(200.0, 1_500.0),
+        queue_size=queued,
+        queued_input_size=queued_tokens,
+        max_output_tps=1_800.0,
+        kv_cache_capacity_tokens=KV_CAPACITY_TOKENS,
+        kv_cache_used_tokens=used,
+        kv_cache_free_tokens=KV_CAPACITY_TOKENS - used,
+        num_running_queries=running,
+        total_query_input_size=queued_tokens + running * rng.randint(200, 2_000),
+        queue_time_estimate_ms_by_priority={0: int(queued_tokens / input_tps * 1000)},
+        input_processing_queries=min(running, rng.randint(0, 4)),
+        output_generation_queries=max(0, running - 4),
+        stats_observed_at_unix_ms=int(time.time() * 1000) - beat % 7,
+        stats_capabilities=["machine.kv_cache.http"],
+        stats_sources=["kv_cache_stats"],
+    )
+
 
 class Pylon:
     """One registration stream."""
 
     def __init__(
-        self, shard: Shard, server_id: str, url: str, models: list[str], heartbeat_ms: int
+        self,
+        shard: Shard,
+        server_id: str,
+        url: str,
+        models: list[str],
+        heartbeat_ms: int,
+        changing_stats: bool = True,
     ) -> None:
-        from stargate.protocol import stargate_pb2 as pb
-
         self.shard = shard
         self.server_id = server_id
+        self.url = url
+        self.models = models
         self.heartbeat = heartbeat_ms / 1000
         self.heartbeat_ms = heartbeat_ms
-        self.message = pb.InferenceServerRegistration(
-            inference_server_id=server_id,
-            inference_server_url=url,
-            models={
-                model: pb.InferenceServerModelRegistration(
-                    stats=pb.ModelStats(), status=pb.INFERENCE_SERVER_STATUS_ACTIVE
-                )
-                for model in models
-            },
-        )
+        self.changing_stats = changing_stats
+        self.rng = random.Random(server_id)
+        self.beat = 0
+        self.message = self._build()
         self.sent: collections.deque[float] = collections.deque()
         self.admitted = asyncio.Event()
         self.ended = False
         self.error = ""
         self.acks = 0
         self.task: asyncio.Task[None] | None = None
+
+    def _build(self) -> Any:
+        from stargate.protocol import stargate_pb2 as pb
+
+        return pb.InferenceServerRegistration(
+            inference_server_id=self.server_id,
+            inference_server_url=self.url,
+            models={
+                model: pb.InferenceServerModelRegistration(
+                    stats=live_stats(self.rng, self.beat),
+                    status=pb.INFERENCE_SERVER_STATUS_ACTIVE,
+                )
+                for model in self.models
+            },
+        )
+
+    def next_message(self) -> Any:
+        """The next heartbeat's message: new statistics, or the first message again."""
+        if self.changing_stats:
+            self.beat += 1
+            self.message = self._build()
+        return self.message
 
     async def run(self, grpc_port: int) -> None:
         import grpc
@@ -85,9 +147,10 @@ class Pylon:
                 while not self.ended:
                     await asyncio.sleep(max(0.0, next_at - loop.time()))
                     next_at += self.heartbeat
+                    message = self.next_message()
                     self.sent.append(time.monotonic())
                     self.shard.heartbeats_sent.append(time.monotonic())
-                    await call.write(self.message)
+                    await call.write(message)
             finally:
                 reader.cancel()
                 call.cancel()
@@ -136,11 +199,12 @@ class Shard:
         registrations: list[list[Any]],
         admit_seconds: float,
         heartbeat_ms: int = 1000,
+        changing_stats: bool = True,
     ) -> dict[str, Any]:
         began = time.monotonic()
         deadline = began + admit_seconds
         fresh = [
-            Pylon(self, server_id, url, list(models), heartbeat_ms)
+            Pylon(self, server_id, url, list(models), heartbeat_ms, changing_stats)
             for server_id, url, models in registrations
         ]
         self.pylons.extend(fresh)

@@ -6,18 +6,22 @@ httpx client cannot read them; these two can, at a few microseconds per event:
 
 * `python -m benchmarks.sse engine --model M [--events 50] [--interval-ms 20]` serves
   `POST /v1/chat/completions` (streaming: an OpenAI `chat.completion.chunk` event at once, then one
-  every interval, each its own chunked write, then `data: [DONE]`; not streaming: one small
-  `chat.completion`) and `GET /health` (what the replica probes every second), HTTP/1.1
-  keep-alive. One timer loop (a heap of due streams) writes every due event straight to its
-  socket; only a socket whose buffer is full gets its own flushing wait. Every event carries its
-  emit time as its first JSON field, `{"t": <time.monotonic()>, ...}` (CLOCK_MONOTONIC: the same
-  clock in every process of the machine). It prints `listening on http://127.0.0.1:PORT`.
+  every interval, each its own chunked write, then `data: [DONE]`; `--events` of them, or the
+  request body's `"max_tokens"` when it has one, so one engine serves streams of several lengths;
+  not streaming: one small `chat.completion`) and `GET /health` (what the replica probes every
+  second), HTTP/1.1 keep-alive. One timer loop (a heap of due streams) writes every due event
+  straight to its socket; only a socket whose buffer is full gets its own flushing wait. Every
+  event carries its emit time as its first JSON field, `{"t": <time.monotonic()>, ...}`
+  (CLOCK_MONOTONIC: the same clock in every process of the machine). It prints `listening on http://127.0.0.1:PORT`.
 * `python -m benchmarks.sse client` (a JSON spec on stdin, a JSON result line on stdout) runs
   `slots` keep-alive connections, each sending one streaming request after another until the
   measured window ends. It records, for the window only: events received, the lag of each (arrival
   minus its emit time, in a log histogram), time to first event of each stream sent in the window,
   and errors. Times are absolute `time.monotonic()` values chosen by the parent, so shards and the
-  parent's CPU readings share one window without talking.
+  parent's CPU readings share one window without talking. Its body asks for `events` tokens
+  (`"max_tokens"`). With `once` (a connection burst, benchmarks/peers.py) every slot opens a new
+  connection at `start_at + ramp * i / slots`, sends one stream and stops; its time to first event
+  then counts from the start of the connect, so it includes the wait to be accepted.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import errno
 import heapq
 import json
+import re
 import socket
 import sys
 import time
@@ -45,8 +50,10 @@ _STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
 )
+_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _DONE = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
 _RECV = 65536
+_MAX_TOKENS = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d+)')
 
 
 def _trio_time(monotonic: float) -> float:
@@ -159,7 +166,7 @@ async def _read_chunked(sock: socket.socket, buf: bytearray) -> bytes:
 class _Conn:
     """One server connection; `write` is synchronous (from the timer loop or the handler)."""
 
-    __slots__ = ("dead", "kick", "pending", "sock", "streaming")
+    __slots__ = ("dead", "events", "kick", "pending", "sock", "streaming")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -167,6 +174,8 @@ class _Conn:
         self.kick: trio.Event | None = None
         self.dead = False
         self.streaming = False
+        self.events = 0
+        """Events of the stream in progress."""
 
     def wake(self) -> None:
         if self.kick is not None:
@@ -202,7 +211,7 @@ class Engine:
         self._sequence = 0
         self._wake = trio.Event()
         self._sleeping_until = float("inf")
-        self._tails = [self._tail(index) for index in range(events)]
+        self._tails: dict[tuple[int, int], bytes] = {}
         answer = (
             b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,'
             b'"model":"' + self.model + b'","choices":[{"index":0,"message":{"role":"assistant",'
@@ -214,20 +223,26 @@ class Engine:
             % len(answer)
         ) + answer
 
-    def _tail(self, index: int) -> bytes:
-        """What follows the emit time in event `index` (its JSON after `{"t":...`)."""
+    def _tail(self, index: int, events: int) -> bytes:
+        """What follows the emit time in event `index` of `events` (its JSON after `{"t":...`),
+        built once per (index, events)."""
+        tail = self._tails.get((index, events))
+        if tail is not None:
+            return tail
         delta = b'{"content":" tok%d"}' % index
         if index == 0:
             delta = b'{"role":"assistant","content":"tok0"}'
-        finish = b'"stop"' if index == self.events - 1 else b"null"
-        return (
+        finish = b'"stop"' if index == events - 1 else b"null"
+        tail = (
             b',"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
             b'"model":"' + self.model + b'","choices":[{"index":0,"delta":' + delta + b","
             b'"finish_reason":' + finish + b"}]}\n\n"
         )
+        self._tails[(index, events)] = tail
+        return tail
 
-    def _event(self, index: int) -> bytes:
-        payload = b'data: {"t":%.6f%b' % (time.monotonic(), self._tails[index])
+    def _event(self, index: int, events: int) -> bytes:
+        payload = b'data: {"t":%.6f%b' % (time.monotonic(), self._tail(index, events))
         return b"%x\r\n%b\r\n" % (len(payload), payload)
 
     def _schedule(self, due: float, conn: _Conn, index: int) -> None:
@@ -235,6 +250,12 @@ class Engine:
         heapq.heappush(self._heap, (due, self._sequence, conn, index))
         if due < self._sleeping_until:
             self._wake.set()
+
+    def _events_asked(self, body: bytes) -> int:
+        """The body's `"max_tokens"` (or `"max_completion_tokens"`, which a router may rename it
+        to), else `--events`."""
+        found = _MAX_TOKENS.search(body)
+        return max(1, int(found.group(1))) if found else self.events
 
     async def ticker(self) -> None:
         heap = self._heap
@@ -244,8 +265,8 @@ class Engine:
                 due, _, conn, index = heapq.heappop(heap)
                 if conn.dead:
                     continue
-                conn.write(self._event(index))
-                if index + 1 < self.events:
+                conn.write(self._event(index, conn.events))
+                if index + 1 < conn.events:
                     self._sequence += 1
                     heapq.heappush(heap, (due + self.interval, self._sequence, conn, index + 1))
                 else:
@@ -267,7 +288,10 @@ class Engine:
                 head = await _read_head(sock, buf)
                 if head is None:
                     return
-                request_line = head.split(b"\r\n", 1)[0].split(b" ")
+                request_line = head.lstrip(b"\r\n").split(b"\r\n", 1)[0].split(b" ")
+                if len(request_line) != 3:  # not a request this engine knows: answer, close
+                    await _send_all(sock, _BAD_REQUEST)
+                    return
                 method, target = request_line[0], request_line[1]
                 headers = _headers(head)
                 if b"content-length" in headers:
@@ -282,6 +306,7 @@ class Engine:
                     if b'"stream":true' not in body.replace(b" ", b""):
                         await _send_all(sock, self._answer)
                     else:
+                        conn.events = self._events_asked(body)
                         await self._stream(conn)
                         if conn.dead:
                             return
@@ -297,8 +322,8 @@ class Engine:
 
     async def _stream(self, conn: _Conn) -> None:
         conn.streaming = True
-        conn.write(_STREAM_HEAD + self._event(0))
-        if self.events > 1:
+        conn.write(_STREAM_HEAD + self._event(0, conn.events))
+        if conn.events > 1:
             self._schedule(time.monotonic() + self.interval, conn, 1)
         else:
             conn.write(_DONE)
@@ -369,6 +394,8 @@ class ClientSpec:
     model: str = MODEL
     events: int = 50
     shard: int = 0
+    once: bool = False
+    """A connection burst: each slot opens a new connection, sends one stream and stops."""
 
 
 @dataclass
@@ -379,6 +406,11 @@ class ClientResult:
     """Histogram bins (index -> count) of arrival minus emit time, window only."""
     ttft: list[float] = field(default_factory=list)
     """Seconds from sending a request to its first event, for requests sent in the window."""
+    connect_seconds: list[float] = field(default_factory=list)
+    """With `once`: how long each connect took (the TCP handshake and the wait to be accepted
+    show here when the listener's queue overflows)."""
+    head_seconds: list[float] = field(default_factory=list)
+    """With `once`: from the start of each connect to the response head."""
     streams_done: int = 0
     streams_in_window: int = 0
     short_streams: int = 0
@@ -417,7 +449,12 @@ class StreamClient:
         self.result = ClientResult()
         self.lag = Histogram()
         body = json.dumps(
-            {"model": spec.model, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            {
+                "model": spec.model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": spec.events,
+            },
             separators=(",", ":"),
         ).encode()
         self._head = (
@@ -441,27 +478,41 @@ class StreamClient:
         try:
             while time.monotonic() < spec.window_end:
                 try:
+                    connect_started = time.monotonic()
                     if sock is None:
                         sock = await _connect(spec.port)
                         self.result.connections += 1
+                        if spec.once:
+                            took = time.monotonic() - connect_started
+                            self.result.connect_seconds.append(took)
                     sequence += 1
-                    keep = await self._one_stream(sock, f"s{spec.shard}-{index}-{sequence}")
+                    keep = await self._one_stream(
+                        sock,
+                        f"s{spec.shard}-{index}-{sequence}",
+                        connect_started if spec.once else None,
+                    )
                 except (OSError, _Closed, _BadResponse, ValueError) as error:
                     self._error(error)
                     keep = False
-                    await trio.sleep(0.05)
+                    if not spec.once:
+                        await trio.sleep(0.05)
                 if not keep and sock is not None:
                     sock.close()
                     sock = None
+                if spec.once:
+                    break
         finally:
             if sock is not None:
                 sock.close()
 
-    async def _one_stream(self, sock: socket.socket, request_id: str) -> bool:
-        """One streaming request; True when the connection may be reused."""
+    async def _one_stream(
+        self, sock: socket.socket, request_id: str, started: float | None = None
+    ) -> bool:
+        """One streaming request; True when the connection may be reused. Its time to first
+        event counts from `started` when given (the connect), else from the send."""
         spec, result, lag = self.spec, self.result, self.lag
         request = self._head + b"x-request-id: " + request_id.encode() + b"\r\n\r\n" + self._body
-        sent_at = time.monotonic()
+        sent_at = time.monotonic() if started is None else started
         in_window = spec.window_start <= sent_at < spec.window_end
         await _send_all(sock, request)
         buf = bytearray()
@@ -469,6 +520,8 @@ class StreamClient:
         if head is None:
             raise _Closed("closed before the response head")
         status = head[9:12].decode()
+        if started is not None:
+            result.head_seconds.append(time.monotonic() - started)
         result.statuses[status] = result.statuses.get(status, 0) + 1
         headers = _headers(head)
         keep = headers.get(b"connection", b"").lower() != b"close"

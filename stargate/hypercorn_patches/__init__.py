@@ -14,6 +14,8 @@ fails without it. The replacements live in a module per concern:
   the first request through the drain, the keep-alive timer);
 * `limits.py`: the Hypercorn side of the HTTP listener's client limits (stargate/http_limits.py
   has the policy);
+* `accept.py`: the accept loop under Hypercorn's listeners (trio's), which starts every queued
+  connection in one pass;
 * `app.py`: what the app sees (the disconnect hook, and `complete_response_before_disconnect`,
   an app wrapper `serving.serve_asgi` applies; no patch);
 * `state.py`: what they keep per listener (one `Listener` on the listener's Hypercorn config) and
@@ -131,8 +133,9 @@ def _distribution_version(name: str) -> str | None:
 
 
 def _place(target: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
-    """How to read and replace a target: `module:Owner.attribute`, or `module:MAPPING[NAME, ...]`
-    for an entry of a mapping whose key is a tuple of the module's names."""
+    """How to read and replace a target: `module:Owner.attribute`, `module:name` (the module's
+    own), or `module:MAPPING[NAME, ...]` for an entry of a mapping whose key is a tuple of the
+    module's names."""
     module_name, _, path = target.partition(":")
     module = importlib.import_module(module_name)
     if path.endswith("]"):
@@ -142,7 +145,7 @@ def _place(target: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
         return (lambda: mapping[key]), (lambda value: mapping.__setitem__(key, value))
     owner_path, _, attribute = path.rpartition(".")
     owner: Any = module
-    for name in owner_path.split("."):
+    for name in owner_path.split(".") if owner_path else ():  # "module:name": the module's own
         owner = getattr(owner, name)
     return (lambda: getattr(owner, attribute)), (lambda value: setattr(owner, attribute, value))
 

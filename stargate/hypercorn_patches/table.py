@@ -44,10 +44,12 @@ WRITTEN_FOR: dict[str, tuple[str, str]] = {
     "hypercorn": ("0.18", "0.19"),
     "h11": ("0.16", "0.17"),
     "h2": ("4.4", "4.5"),
+    "trio": ("0.35", "0.36"),
 }
 """Distribution -> [lowest, highest) version the patches were written and tested for: Hypercorn
 and h11, whose code they replace, and h2, whose connection internals they read (stream states,
-flow-control windows, a GOAWAY h2 does not know about). pyproject.toml pins the same ranges."""
+flow-control windows, a GOAWAY h2 does not know about), and trio, whose accept loop under
+Hypercorn's listeners one row replaces. pyproject.toml pins the same ranges."""
 
 
 class Kind(enum.Enum):
@@ -234,6 +236,12 @@ TIMER_STOP = _cost(
     _SERVING + "keep-alive-timer",
     _FIXES + "test_stopping_the_keep_alive_timer_does_not_go_through_the_scheduler",
 )
+ACCEPT_QUEUED = _cost(
+    "every connection the kernel has queued is accepted in one pass of the scheduler",
+    "docs/performance.md#side-by-side-with-the-peers",
+    "tests/unit/test_accept_drain.py::"
+    "test_every_queued_connection_is_started_before_the_first_handler_runs",
+)
 DISCONNECT_HOOK = _feature(
     "every HTTP exchange has a DisconnectHook, fired where http.disconnect is queued",
     _SERVING + "disconnect-hook",
@@ -335,6 +343,14 @@ PATCHES: tuple[Patch, ...] = (
         "app.spawn_app",
         "b4c1131427529801",
         (DISCONNECT_HOOK,),
+    ),
+    # The accept loop under Hypercorn's listeners (trio's): accept.py
+    Patch(
+        "trio._highlevel_serve_listeners:_serve_one_listener",
+        REPLACES,
+        "accept.serve_one_listener",
+        "9367ae038290927f",
+        (ACCEPT_QUEUED,),
     ),
 )
 
