@@ -202,18 +202,27 @@ def _register(replica: Replica, url: str, deadline: Deadline) -> Registration:
     return registration
 
 
+WITH_OPEN_FILES = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+"""`python -c WITH_OPEN_FILES N ARGS...`: the open-file limit N, then the interpreter with ARGS."""
+
+
 def _small_replica(procs: Processes, log_dir: Path, deadline: Deadline) -> Replica:
-    """A replica at default settings whose open-file limit (soft and hard) is 360."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SMALL_OPEN_FILES, SMALL_OPEN_FILES))
-
+    """A replica at default settings whose open-file limit (soft and hard) is 360: set by a tiny
+    interpreter that then execs the replica, since a `preexec_fn` (code between fork and exec)
+    can crash the child of a process in which gRPC runs threads."""
     http, grpc_port, discovery, metrics = free_ports(4)
     log_path = log_dir / "small.log"
     with log_path.open("wb") as log:
         process = procs.spawn(
             [
                 server_python(),
+                "-c",
+                WITH_OPEN_FILES,
+                str(SMALL_OPEN_FILES),
                 "-m",
                 "stargate",
                 "serve",
@@ -229,7 +238,6 @@ def _small_replica(procs: Processes, log_dir: Path, deadline: Deadline) -> Repli
             stdout=log,
             stderr=subprocess.STDOUT,
             stop_signal=signal.SIGINT,
-            preexec_fn=limit,  # only setrlimit between fork and exec
         )
     replica = Replica(process, http, grpc_port, metrics, log_path, time.monotonic())
     wait_until(

@@ -613,7 +613,7 @@ def run_streams(
     """Shards of benchmarks/sse.py's client against `target`: sustained (keep-alive slots over a
     ramp, a warm-up, a measured window read on the shared clock) or a burst (every slot a new
     connection at the same instant, one stream each)."""
-    from benchmarks.sse import ClientResult, ClientSpec
+    from benchmarks.sse import ClientResult, ClientSpec, spawn_client
 
     run = StreamRun(target.name, streams, tokens, burst)
     now = time.monotonic()
@@ -643,18 +643,7 @@ def run_streams(
             shard=index,
             once=burst,
         )
-        shard = procs.spawn(
-            [sys.executable, "-m", "benchmarks.sse", "client"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert shard.stdin is not None
-        shard.stdin.write(json.dumps(asdict(spec)))
-        shard.stdin.close()
-        shard.stdin = None
-        shards.append(shard)
+        shards.append(spawn_client(procs, spec))
     if burst:
         time.sleep(max(0.0, start_at - 0.2 - time.monotonic()))
         cpu0 = cpu_seconds_tree(target.pid)

@@ -32,6 +32,7 @@ import heapq
 import json
 import re
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,7 @@ from typing import Any
 
 import trio
 
-from benchmarks.common import Histogram
+from benchmarks.common import Histogram, Processes
 
 MODEL = "bench-model"
 PATH = "/v1/chat/completions"
@@ -608,6 +609,23 @@ class StreamClient:
             result.window_cpu_seconds = window_cpu[1] - window_cpu[0]
         result.lag_counts = {str(i): c for i, c in enumerate(self.lag.counts) if c}
         return result
+
+
+def spawn_client(procs: Processes, spec: ClientSpec) -> subprocess.Popen[str]:
+    """A client shard process (`client_main`) running `spec`, sent on its stdin; its JSON result
+    comes on its stdout (read with `communicate`)."""
+    shard = procs.spawn(
+        [sys.executable, "-m", "benchmarks.sse", "client"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert shard.stdin is not None
+    shard.stdin.write(json.dumps(asdict(spec)))
+    shard.stdin.close()
+    shard.stdin = None  # sent: `communicate` only reads
+    return shard
 
 
 def client_main() -> None:

@@ -58,7 +58,7 @@ from benchmarks.common import (
     start_replica,
     wait_until,
 )
-from benchmarks.sse import MODEL, PATH, ClientResult, ClientSpec, histogram_from
+from benchmarks.sse import MODEL, PATH, ClientResult, ClientSpec, histogram_from, spawn_client
 
 NAME = "stream"
 TITLE = "concurrent SSE streams through the replica vs direct"
@@ -165,18 +165,7 @@ def run_level(
             events=EVENTS,
             shard=index,
         )
-        shard = procs.spawn(
-            [sys.executable, "-m", "benchmarks.sse", "client"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert shard.stdin is not None
-        shard.stdin.write(json.dumps(asdict(spec)))
-        shard.stdin.close()
-        shard.stdin = None  # sent: `communicate` below only reads
-        shards.append(shard)
+        shards.append(spawn_client(procs, spec))
     print(
         f"  {target:>7} {streams:>5} streams ({len(sizes)} shard(s)): window "
         f"{settings.window:.0f} s",

@@ -113,11 +113,25 @@ class StargateProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def launch(log_path: Path, *args: str) -> StargateProcess:
-    """Start `python -m stargate ARGS...` with its output in `log_path`."""
+# Sets the open-file limit, then execs the interpreter with the rest of its arguments. A
+# `preexec_fn` would do it between fork and exec, but forking a test process in which gRPC runs
+# threads crashed the child at times (grpc's fork handlers: "Check failed: next_worker->state").
+_WITH_OPEN_FILES = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+def launch(log_path: Path, *args: str, open_files: int | None = None) -> StargateProcess:
+    """Start `python -m stargate ARGS...` with its output in `log_path`; `open_files`: its
+    open-file limit (soft and hard)."""
+    command = [sys.executable, "-m", "stargate", *args]
+    if open_files is not None:
+        command = [sys.executable, "-c", _WITH_OPEN_FILES, str(open_files), *command[1:]]
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stargate", *args],
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

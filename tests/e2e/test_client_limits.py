@@ -18,8 +18,6 @@ import resource
 import select
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -489,19 +487,7 @@ CHAT_STREAM = json.dumps(
 
 def _launch_with_open_files(log_path: Path, open_files: int, *args: str) -> StargateProcess:
     """`launch`, with the child's open-file limit (soft and hard) set to `open_files`."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
-
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "stargate", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=limit,  # only setrlimit between fork and exec
-        )
-    return StargateProcess(process, log_path)
+    return launch(log_path, *args, open_files=open_files)
 
 
 @pytest.fixture(scope="module")
