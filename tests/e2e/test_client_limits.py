@@ -493,11 +493,6 @@ CHAT_STREAM = json.dumps(
 ).encode()
 
 
-def _launch_with_open_files(log_path: Path, open_files: int, *args: str) -> StargateProcess:
-    """`launch`, with the child's open-file limit (soft and hard) set to `open_files`."""
-    return launch(log_path, *args, open_files=open_files)
-
-
 @pytest.fixture(scope="module")
 def stream_backend() -> Iterator[MockBackendProcess]:
     started = launch_mock_backend(
@@ -514,14 +509,14 @@ def small(
     """A replica at default settings but an open-file limit of 360: its cap is computed as 100."""
     logs = tmp_path_factory.mktemp("computed-cap")
     ports, process = start_replica(
-        lambda ports: _launch_with_open_files(
+        lambda ports: launch(
             logs / f"replica-{ports.http}.log",
-            SMALL_OPEN_FILES,
             "serve",
             *ports.args(),
             "--readiness-warmup-ms=0",
             "--disable-dns-discovery",
             "--registration-update-idle-timeout-ms=0",
+            open_files=SMALL_OPEN_FILES,
         )
     )
     handle = Replica(process, ports, stream_backend)
@@ -779,14 +774,14 @@ def test_with_no_descriptor_left_the_accept_loop_neither_spins_nor_dies(tmp_path
     (trio retries every 100 ms; docs/http-serving.md, "When descriptors are truly exhausted"):
     the replica uses almost no CPU meanwhile, stays up, and serves again once the clients leave."""
     ports, process = start_replica(
-        lambda ports: _launch_with_open_files(
+        lambda ports: launch(
             tmp_path / f"replica-{ports.http}.log",
-            200,
             "serve",
             *ports.args(),
             "--readiness-warmup-ms=0",
             "--disable-dns-discovery",
             "--max-client-connections=0",
+            open_files=200,
         )
     )
     flood: list[socket.socket] = []
