@@ -174,6 +174,11 @@ HEAD_WITH_BODY = _cost(
     _SERVING + "head-with-the-body",
     _FIXES + "test_a_head_marked_body_follows_is_written_with_the_body",
 )
+CHUNKS_FRAMED = _cost(
+    "a body message in the middle of a chunked HTTP/1.1 body is framed and written at once",
+    _SERVING + "chunks-of-a-streamed-body",
+    _FIXES + "test_chunks_of_a_streamed_body_are_framed_without_h11",
+)
 HEAD_AT_END = _cost(
     "a held head is written when the app ends without its body",
     _SERVING + "head-with-the-body",
@@ -291,7 +296,7 @@ PATCHES: tuple[Patch, ...] = (
         WRAPS,
         "h11.app_send",
         "c806044b99736985",
-        (HEAD_WITH_BODY,),
+        (CHUNKS_FRAMED, HEAD_WITH_BODY),
     ),
     Patch(
         "hypercorn.protocol.h11:H11Protocol._send_h11_event",

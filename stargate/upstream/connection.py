@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Final, Self, TypeAlias, cast
 
 import h11
 import trio
 from h11 import _abnf as abnf
+from h11._readers import ChunkedReader
 
+from stargate.upstream.chunked import ChunkedDecoder, ChunkedError
 from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
 
 __all__ = ["Body", "Connection", "Release", "UpstreamResponse", "build_request"]
@@ -133,6 +135,7 @@ class Connection:
 
     __slots__ = (
         "_plain",
+        "_renewed",
         "_wait_first",
         "closed",
         "h11",
@@ -164,6 +167,30 @@ class Connection:
             socket_stream.socket if stream is socket_stream else None
         )
         self._wait_first = True  # the last read did not fill the buffer: wait before reading
+        self._renewed = False  # `h11` was replaced after a body read without it
+
+    def renew_machine(self) -> None:
+        """Give the connection a fresh h11 machine: the response body was read without h11
+        (`UpstreamResponse`, a chunked body), so the old machine is stuck in its body."""
+        self.h11 = h11.Connection(h11.CLIENT)
+        self._renewed = True
+
+    def ready_for_next(self) -> bool:
+        """Whether the connection can carry another request, readying it if so: its h11 machine
+        finished a keep-alive exchange with nothing left over (it then starts its next cycle), or
+        was just renewed (`renew_machine`)."""
+        machine = self.h11
+        if self._renewed:
+            self._renewed = False
+            return machine.our_state is h11.IDLE and machine.their_state is h11.IDLE
+        if (
+            machine.our_state is h11.DONE
+            and machine.their_state is h11.DONE
+            and machine.trailing_data == (b"", False)
+        ):
+            machine.start_next_cycle()
+            return True
+        return False
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of `data`.
@@ -312,7 +339,7 @@ class Connection:
 # --- the response ---------------------------------------------------------------------------
 
 
-def _joined(chunks: list[bytes | bytearray]) -> bytes | None:
+def _joined(chunks: Sequence[bytes | bytearray]) -> bytes | None:
     if not chunks:
         return None
     if len(chunks) == 1:
@@ -358,6 +385,9 @@ class UpstreamResponse:
         "_broken",
         "_complete",
         "_conn",
+        "_decoder",
+        "_keep_alive",
+        "_leftover",
         "_release",
         "headers",
         "http_version",
@@ -375,6 +405,19 @@ class UpstreamResponse:
         self.headers: list[tuple[bytes, bytes]] = list(head.headers)
         self.reason: bytes = head.reason
         self.http_version: bytes = head.http_version
+        # A chunked body (every SSE stream) is decoded here, not by h11: a `find` and a slice
+        # per event instead of h11's generic reader and event machinery (stargate/upstream/
+        # chunked.py says why). h11 has read the head; what it holds past it is fed first.
+        machine = conn.h11
+        self._decoder: ChunkedDecoder | None = None
+        self._leftover = b""
+        self._keep_alive = False
+        if type(machine._reader) is ChunkedReader:
+            self._decoder = ChunkedDecoder()
+            self._leftover = machine.trailing_data[0]
+            # h11's verdict from both heads (HTTP/1.1, no `Connection: close`), read before its
+            # machine is replaced on release.
+            self._keep_alive = machine._cstate.keep_alive
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives: each chunk is what was available at that moment (never
@@ -426,6 +469,8 @@ class UpstreamResponse:
             raise RuntimeError("the response is closed")
         if self._broken:
             raise UpstreamProtocolError("the response body already failed", request_sent=True)
+        if self._decoder is not None:
+            return await self._next_decoded(conn, self._decoder)
         machine = conn.h11
         chunks: list[bytes | bytearray] = []
         try:
@@ -453,6 +498,46 @@ class UpstreamResponse:
             self._finish()
         return _joined(chunks)
 
+    async def _next_decoded(self, conn: Connection, decoder: ChunkedDecoder) -> bytes | None:
+        """`_next_chunk` for a chunked body (`ChunkedDecoder`)."""
+        try:
+            chunks = self._decode(conn, decoder, self._take_leftover())
+            while not chunks and not decoder.done:
+                data = await conn.receive()
+                if not data:
+                    raise UpstreamProtocolError(
+                        f"response body from {conn.name} ended early or is malformed: peer "
+                        "closed connection without sending complete message body",
+                        request_sent=True,
+                    )
+                chunks = self._decode(conn, decoder, data)
+        except trio.BrokenResourceError as exc:
+            self._broken = True
+            raise UpstreamProtocolError(
+                f"connection to {conn.name} lost mid-body", request_sent=True
+            ) from exc
+        except BaseException:
+            self._broken = True  # as in `_next_chunk`
+            raise
+        if decoder.done:
+            self._complete = True
+            self._finish()
+        return _joined(chunks)
+
+    def _take_leftover(self) -> bytes:
+        data, self._leftover = self._leftover, b""
+        return data
+
+    def _decode(self, conn: Connection, decoder: ChunkedDecoder, data: bytes) -> list[bytes]:
+        try:
+            return decoder.feed(data)
+        except ChunkedError as exc:
+            self._broken = True
+            raise UpstreamProtocolError(
+                f"response body from {conn.name} ended early or is malformed: {exc}",
+                request_sent=True,
+            ) from exc
+
     def take_buffered(self) -> bytes | None:
         """The body data that has already arrived, without waiting for more (None if none has);
         `complete` then says whether it was the whole body.
@@ -463,6 +548,13 @@ class UpstreamResponse:
         conn = self._conn
         if self._complete or conn is None or self._broken:
             return None
+        decoder = self._decoder
+        if decoder is not None:
+            decoded = self._decode(conn, decoder, self._take_leftover())
+            if decoder.done:
+                self._complete = True
+                self._finish()
+            return _joined(decoded)
         chunks: list[bytes | bytearray] = []
         try:
             self._gather(conn.h11, chunks)
@@ -502,6 +594,15 @@ class UpstreamResponse:
         """Consume what is already buffered (no I/O): a 204, a HEAD response or a small body
         that arrived with the head can then still return its connection to the pool."""
         assert self._conn is not None
+        decoder = self._decoder
+        if decoder is not None:
+            try:
+                decoder.feed(self._take_leftover())
+            except ChunkedError:
+                self._broken = True
+                return
+            self._complete = decoder.done
+            return
         machine = self._conn.h11
         try:
             while True:
@@ -518,4 +619,12 @@ class UpstreamResponse:
         # `_conn` is cleared first, so `release` runs at most once however often this is called.
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._release(conn, self._complete and not self._broken)
+            reusable = self._complete and not self._broken
+            decoder = self._decoder
+            if reusable and decoder is not None:
+                # h11 never saw this body: the connection carries another request only with a
+                # fresh machine, and only if both heads allowed keep-alive and nothing followed.
+                reusable = self._keep_alive and not decoder.extra
+                if reusable:
+                    conn.renew_machine()
+            self._release(conn, reusable)

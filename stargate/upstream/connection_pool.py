@@ -40,7 +40,6 @@ from types import TracebackType
 from typing import Self
 from urllib.parse import SplitResult, urlsplit
 
-import h11
 import trio
 
 from stargate.upstream.config import UpstreamConfig, make_ssl_context
@@ -484,13 +483,7 @@ class ConnectionPool:
         Bound to the origin, the `Release` callback of every connection this pool creates.
         """
         if reusable and not self._closed and self._config.max_idle_per_origin > 0:
-            machine = conn.h11
-            if (
-                machine.our_state is h11.DONE
-                and machine.their_state is h11.DONE
-                and machine.trailing_data == (b"", False)
-            ):
-                machine.start_next_cycle()
+            if conn.ready_for_next():
                 now = trio.current_time()
                 conn.idle_since = now
                 conn.reused = True

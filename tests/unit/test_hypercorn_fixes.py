@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import h2.config
 import h2.connection
 import h2.events
+import h11
 import pytest
 import trio
 import trio.testing
@@ -443,6 +444,68 @@ async def test_a_held_head_is_written_when_the_app_ends_without_its_body() -> No
                 received += chunk
         await client.aclose()
     assert received.startswith(b"HTTP/1.1 200 ") and received.endswith(b"\r\n\r\n")
+
+
+async def _streamed(
+    monkeypatch: pytest.MonkeyPatch, request: bytes, headers: list[tuple[bytes, bytes]]
+) -> tuple[bytes, int]:
+    """What the client received for an answer of three body messages and an empty last one (the
+    connection closed or the answer complete), and how many `h11.Data` events h11 framed."""
+    framed = 0
+    send = h11.Connection.send
+
+    def counting(self: h11.Connection, event: object) -> bytes | None:
+        nonlocal framed
+        framed += isinstance(event, h11.Data)
+        return send(self, event)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(h11.Connection, "send", counting)
+
+    async def app(scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for part in (b"data: 1\n\n", b"", b"data: 22\n\n", b"data: 333\n\n"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async with _served(app) as port:
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(request)
+        received = b""
+        with trio.fail_after(5):
+            while not received.endswith((b"0\r\n\r\n", b"333\n\n")):
+                chunk = await client.receive_some(65536)
+                if not chunk:
+                    break
+                received += chunk
+        await client.aclose()
+    return received, framed
+
+
+async def test_chunks_of_a_streamed_body_are_framed_without_h11(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    received, framed = await _streamed(monkeypatch, REQUEST, [])
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert body == b"9\r\ndata: 1\n\n\r\na\r\ndata: 22\n\n\r\nb\r\ndata: 333\n\n\r\n0\r\n\r\n"
+    assert framed == 0  # (the empty last message ends the body: h11 sends EndOfMessage)
+
+
+async def test_bodies_h11_frames_otherwise_still_go_through_h11(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `content-length` body (h11 counts it) and an HTTP/1.0 client's (no chunks)."""
+    sized, framed = await _streamed(monkeypatch, REQUEST, [(b"content-length", b"30")])
+    assert sized.endswith(b"\r\n\r\ndata: 1\n\ndata: 22\n\ndata: 333\n\n")
+    assert framed == 3  # the three with data
+    http10 = b"POST / HTTP/1.0\r\ncontent-length: 2\r\n\r\nhi"
+    plain, framed = await _streamed(monkeypatch, http10, [])
+    assert plain.endswith(b"\r\n\r\ndata: 1\n\ndata: 22\n\ndata: 333\n\n")
+    assert framed == 3
 
 
 # --- HTTP/2 ---------------------------------------------------------------------------------------
