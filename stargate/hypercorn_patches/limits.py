@@ -31,7 +31,7 @@ from stargate.hypercorn_patches.state import (
     set_release,
 )
 
-__all__ = ["admission", "close", "close_at_once", "gate_connections", "read_data"]
+__all__ = ["admission", "client_closed", "close", "close_at_once", "gate_connections"]
 
 ServerMethod = Callable[[TCPServer], Awaitable[None]]
 
@@ -69,22 +69,18 @@ def close(original: ServerMethod) -> ServerMethod:
     return close
 
 
-def read_data(original: ServerMethod) -> ServerMethod:
-    """`TCPServer._read_data`: once the client of a counted connection has closed its side,
-    nothing more can arrive, so the keep-alive timer is stopped and the socket closes as soon as
-    whatever request was in progress has ended (its app hears `http.disconnect` right away).
+async def client_closed(server: TCPServer) -> None:
+    """Run by `TCPServer._read_data` (tcp.py) when its connection will read nothing more: once
+    the client of a counted connection has closed its side, nothing more can arrive, so the
+    keep-alive timer is stopped and the socket closes as soon as whatever request was in progress
+    has ended (its app hears `http.disconnect` right away).
 
     A connection the client closes before sending a request used to stay open (CLOSE-WAIT) until
     Hypercorn's keep-alive timer fired, up to 5 s later, and so kept its slot: a TCP health check
     or a port scan held one slot per connection for 5 s.
     """
-
-    async def read_data(self: TCPServer) -> None:
-        await original(self)  # the client closed, or the socket did
-        if release_of(self) is not None:
-            await self.idle_task.stop()
-
-    return read_data
+    if release_of(server) is not None:
+        await server.idle_task.stop()
 
 
 async def reset_answered_early(proto: H2Protocol, stream_id: int) -> None:

@@ -226,6 +226,11 @@ UNCOUNTED_AT_CLOSE = _feature(
     _CONNECTIONS,
     _LIMITS + "test_a_connection_stops_counting_when_its_socket_closes",
 )
+READS = _cost(
+    "a read has no generator-based timeout around it (none at all without a read timeout)",
+    _SERVING + "reads",
+    _FIXES + "test_reads_enter_no_generator_based_timeout",
+)
 CLIENT_CLOSED = _feature(
     "a counted connection its client closed does not wait for the keep-alive timer",
     _CONNECTIONS,
@@ -338,7 +343,13 @@ PATCHES: tuple[Patch, ...] = (
         _TCP + "_idle_timeout", REPLACES, "tcp.idle_timeout", "210ce1014d98e1cb", (FIRST_REQUEST,)
     ),
     Patch(_TCP + "_close", WRAPS, "limits.close", "bc73c4ae25a1ceec", (UNCOUNTED_AT_CLOSE,)),
-    Patch(_TCP + "_read_data", WRAPS, "limits.read_data", "7ca747d922c65cf1", (CLIENT_CLOSED,)),
+    Patch(
+        _TCP + "_read_data",
+        REPLACES,
+        "tcp.read_data",
+        "7ca747d922c65cf1",
+        (READS, CLIENT_CLOSED),
+    ),
     Patch(_TIMER + "restart", REPLACES, "tcp.restart", "0170ab8e4418dc0e", (TIMER_RESTART,)),
     Patch(_TIMER + "stop", REPLACES, "tcp.stop", "044ad384dfd2f565", (TIMER_STOP,)),
     # The app: app.py

@@ -192,6 +192,31 @@ async def test_a_write_the_socket_takes_whole_does_not_go_through_the_scheduler(
     assert not server.send_lock.locked()
 
 
+async def test_reads_enter_no_generator_based_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypercorn entered `trio.fail_after(inf)` around every read; with no read timeout there is
+    now no scope at all, and the protocol sees the same events."""
+
+    def fail_after(seconds: float) -> None:
+        raise AssertionError(f"fail_after({seconds}) around a read")
+
+    monkeypatch.setattr(trio, "fail_after", fail_after)
+    ours, peer = trio.socket.socketpair()
+    server, protocol = _server(ours)
+    await peer.send(b"GET / HTTP/1.1\r\n")
+    peer.close()
+    await server._read_data()  # the peer has closed: it ends at once
+    assert protocol.events == [RawData(data=b"GET / HTTP/1.1\r\n"), RawData(data=b""), Closed()]
+
+
+async def test_a_read_timeout_still_ends_a_silent_connection() -> None:
+    ours, _peer = trio.socket.socketpair()
+    server, protocol = _server(ours)
+    server.config.read_timeout = 0.05
+    with trio.fail_after(5):
+        await server._read_data()
+    assert protocol.events == [Closed()]
+
+
 async def test_an_empty_write_writes_nothing_but_stays_a_cancellation_point() -> None:
     ours, peer = trio.socket.socketpair()
     server, _ = _server(ours)
