@@ -45,8 +45,9 @@ from h11._readers import ChunkedReader
 
 from stargate.upstream.chunked import ChunkedDecoder, ChunkedError
 from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
+from stargate.upstream.status_head import HeadError, StatusHead, parse_status_head
 
-__all__ = ["Body", "Connection", "Release", "UpstreamResponse", "build_request"]
+__all__ = ["Body", "Connection", "Release", "UpstreamResponse", "build_request", "request_bytes"]
 
 # One receive per wake-up: large enough that a whole small response, or a burst of SSE events,
 # is one syscall.
@@ -122,6 +123,12 @@ def build_request(
         return h11.Request(method=method_bytes, target=target, headers=out, _parsed=True)
     except h11.LocalProtocolError as exc:
         raise ValueError(f"invalid upstream request: {exc}") from exc
+
+
+def request_bytes(head: h11.Request) -> bytes:
+    """`head` as h11 would write it (a request without a body: `Connection.get_status`)."""
+    fields = b"".join(b"%s: %s\r\n" % item for item in head.headers.raw_items())
+    return b"%s %s HTTP/1.1\r\n%s\r\n" % (head.method, head.target, fields)
 
 
 class Connection:
@@ -270,6 +277,108 @@ class Connection:
             )
         return UpstreamResponse(self, response, self.release)
 
+    async def get_status(self, request: bytes, head_timeout: float) -> int:
+        """Send `request` (a whole request without a body, `request_bytes`) and read its answer to
+        the end, without h11: the status is all the caller wants (the replica's health probes,
+        stargate/upstream/status_head.py says why). 1xx heads are skipped.
+
+        Then the connection goes back through `release`: reusable (with a fresh h11 machine)
+        after a complete keep-alive answer with nothing after it, closed otherwise. Failures are
+        `exchange`'s: `_DeadBeforeResponse` for a reused connection that closed before a byte
+        of the answer, `ResponseHeadTimeout`, `UpstreamProtocolError` (a malformed or cut
+        answer); the connection is then left mid-message for the caller to close.
+        """
+        with trio.CancelScope(deadline=trio.current_time() + head_timeout) as timeout:
+            head, body = await self._status_head(request)
+        if timeout.cancelled_caught:
+            raise ResponseHeadTimeout(
+                f"no response head from {self.name} within {head_timeout}s", request_sent=True
+            )
+        reusable = await self._read_to_end(head, body)
+        if reusable:
+            self.renew_machine()
+        self.release(self, reusable)
+        return head.status
+
+    async def _status_head(self, request: bytes) -> tuple[StatusHead, bytes]:
+        """Send `request`; the final response head and the bytes after it."""
+        try:
+            await self.send(request)
+        except trio.BrokenResourceError as exc:
+            if self.reused:
+                raise _DeadBeforeResponse(request_sent=False) from exc
+            raise UpstreamProtocolError(
+                f"connection to {self.name} lost while sending the request", request_sent=False
+            ) from exc
+        buf = b""
+        received = False
+        while True:
+            try:
+                head = parse_status_head(buf)
+            except HeadError as exc:
+                raise UpstreamProtocolError(
+                    f"bad response head from {self.name}: {exc}", request_sent=True
+                ) from exc
+            if head is None:
+                try:
+                    data = await self.receive()
+                except trio.BrokenResourceError as exc:
+                    if not received:
+                        raise _DeadBeforeResponse(request_sent=True) from exc
+                    raise UpstreamProtocolError(
+                        f"connection to {self.name} lost while reading the response head",
+                        request_sent=True,
+                    ) from exc
+                if not data:
+                    if not received:
+                        raise _DeadBeforeResponse(request_sent=True)
+                    raise UpstreamProtocolError(
+                        f"{self.name} closed the connection mid-head", request_sent=True
+                    )
+                received = True
+                buf += data
+            elif head.status < 200:
+                buf = buf[head.size :]  # 1xx: the final head follows
+            else:
+                return head, buf[head.size :]
+
+    async def _read_to_end(self, head: StatusHead, body: bytes) -> bool:
+        """Read past the body of `head` (`body`: what arrived with it); True when the
+        connection can carry another request."""
+        try:
+            if head.bodyless:
+                return head.keep_alive and not body
+            if head.chunked:
+                decoder = ChunkedDecoder()
+                decoder.feed(body)
+                while not decoder.done:
+                    decoder.feed(await self._receive_more())
+                return head.keep_alive and not decoder.extra
+            if head.content_length is not None:
+                got = len(body)
+                while got < head.content_length:
+                    got += len(await self._receive_more())
+                return head.keep_alive and got == head.content_length
+            while await self.receive():  # framed by the close
+                pass
+            return False
+        except ChunkedError as exc:
+            raise UpstreamProtocolError(
+                f"response body from {self.name} is malformed: {exc}", request_sent=True
+            ) from exc
+        except trio.BrokenResourceError as exc:
+            raise UpstreamProtocolError(
+                f"connection to {self.name} lost mid-body", request_sent=True
+            ) from exc
+
+    async def _receive_more(self) -> bytes:
+        data = await self.receive()
+        if not data:
+            raise UpstreamProtocolError(
+                f"response body from {self.name} ended early", request_sent=True
+            )
+        return data
+
     def close(self) -> bool:
         """Close the socket; False if it was already closed."""
         if self.closed:
@@ -414,10 +523,10 @@ class UpstreamResponse:
         self._keep_alive = False
         if type(machine._reader) is ChunkedReader:
             self._decoder = ChunkedDecoder()
-            self._leftover = machine.trailing_data[0]
+            self._leftover, closed = machine.trailing_data
             # h11's verdict from both heads (HTTP/1.1, no `Connection: close`), read before its
-            # machine is replaced on release.
-            self._keep_alive = machine._cstate.keep_alive
+            # machine is replaced on release; a backend that already closed its side is not.
+            self._keep_alive = machine._cstate.keep_alive and not closed
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives: each chunk is what was available at that moment (never
@@ -469,60 +578,55 @@ class UpstreamResponse:
             raise RuntimeError("the response is closed")
         if self._broken:
             raise UpstreamProtocolError("the response body already failed", request_sent=True)
-        if self._decoder is not None:
-            return await self._next_decoded(conn, self._decoder)
+        try:
+            if self._decoder is None:
+                chunks = await self._read_with_h11(conn)
+            else:
+                chunks = await self._read_decoded(conn, self._decoder)
+        except trio.BrokenResourceError as exc:
+            self._broken = True
+            raise UpstreamProtocolError(
+                f"connection to {conn.name} lost mid-body", request_sent=True
+            ) from exc
+        except BaseException:
+            # Cancellation (client disconnect) or a malformed body: the connection is in the
+            # middle of a message and can never be reused.
+            self._broken = True
+            raise
+        if self.complete:  # (set by the read)
+            # Hand the connection back now: a consumer that read everything but forgets
+            # `aclose()` must not pin the slot.
+            self._finish()
+        return _joined(chunks)
+
+    async def _read_with_h11(self, conn: Connection) -> Sequence[bytes | bytearray]:
+        """The data h11 has or next gets for a body it frames (`content-length`, or to EOF)."""
         machine = conn.h11
         chunks: list[bytes | bytearray] = []
         try:
             while self._gather(machine, chunks) and not chunks:
                 machine.receive_data(await conn.receive())
         except h11.RemoteProtocolError as exc:
-            self._broken = True
             raise UpstreamProtocolError(
                 f"response body from {conn.name} ended early or is malformed: {exc}",
                 request_sent=True,
             ) from exc
-        except trio.BrokenResourceError as exc:
-            self._broken = True
-            raise UpstreamProtocolError(
-                f"connection to {conn.name} lost mid-body", request_sent=True
-            ) from exc
-        except BaseException:
-            # Cancellation (client disconnect) or our own error above: the connection is in the
-            # middle of a message and can never be reused.
-            self._broken = True
-            raise
-        if self.complete:  # (set by `_gather`)
-            # Hand the connection back now: a consumer that read everything but forgets
-            # `aclose()` must not pin the slot.
-            self._finish()
-        return _joined(chunks)
+        return chunks
 
-    async def _next_decoded(self, conn: Connection, decoder: ChunkedDecoder) -> bytes | None:
-        """`_next_chunk` for a chunked body (`ChunkedDecoder`)."""
-        try:
-            chunks = self._decode(conn, decoder, self._take_leftover())
-            while not chunks and not decoder.done:
-                data = await conn.receive()
-                if not data:
-                    raise UpstreamProtocolError(
-                        f"response body from {conn.name} ended early or is malformed: peer "
-                        "closed connection without sending complete message body",
-                        request_sent=True,
-                    )
-                chunks = self._decode(conn, decoder, data)
-        except trio.BrokenResourceError as exc:
-            self._broken = True
-            raise UpstreamProtocolError(
-                f"connection to {conn.name} lost mid-body", request_sent=True
-            ) from exc
-        except BaseException:
-            self._broken = True  # as in `_next_chunk`
-            raise
-        if decoder.done:
-            self._complete = True
-            self._finish()
-        return _joined(chunks)
+    async def _read_decoded(self, conn: Connection, decoder: ChunkedDecoder) -> list[bytes]:
+        """The data of a chunked body (`ChunkedDecoder`) that is there or next arrives."""
+        chunks = self._decode(conn, decoder, self._take_leftover())
+        while not chunks and not decoder.done:
+            data = await conn.receive()
+            if not data:
+                raise UpstreamProtocolError(
+                    f"response body from {conn.name} ended early or is malformed: peer "
+                    "closed connection without sending complete message body",
+                    request_sent=True,
+                )
+            chunks = self._decode(conn, decoder, data)
+        self._complete = decoder.done
+        return chunks
 
     def _take_leftover(self) -> bytes:
         data, self._leftover = self._leftover, b""

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import ssl
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import trio
@@ -49,6 +49,7 @@ from stargate.upstream.connection import (
     UpstreamResponse,
     _DeadBeforeResponse,
     build_request,
+    request_bytes,
 )
 from stargate.upstream.errors import (
     ConnectError,
@@ -57,6 +58,8 @@ from stargate.upstream.errors import (
 )
 
 __all__ = ["ConnectionPool", "ConnectionPoolStats", "Origin", "OriginLoad"]
+
+_T = TypeVar("_T")
 
 
 class Origin:
@@ -292,23 +295,56 @@ class ConnectionPool:
         Raises `ValueError` for a bad URL or header, `RuntimeError` after `aclose()`, and the
         `UpstreamError` subclasses (see their docs for which are safe to retry).
         """
-        if self._closed:
-            raise RuntimeError("the upstream pool is closed")
-        origin, target = self._resolve(url)
+        origin, target = self._resolve_open(url)
         try:
             head = build_request(method, origin.host_header, target, headers, body)
-            await self._acquire_slot(origin)
         except BaseException:
             self._forget_if_unused(origin)
             raise
         head_timeout = self._config.response_head_timeout
+        return await self._on_a_connection(
+            origin, lambda conn: conn.exchange(head, body, head_timeout)
+        )
+
+    async def get_status(self, url: str, headers: list[tuple[bytes, bytes]]) -> int:
+        """A GET whose answer matters only for its status: the replica's health probes
+        (stargate/control_plane/health.py). The answer is read to its end without h11
+        (`Connection.get_status`), so a kept-alive connection serves the next probe; `url`,
+        `headers`, the stale-connection retry and the errors are `request`'s.
+        """
+        origin, target = self._resolve_open(url)
+        try:
+            request = request_bytes(build_request("GET", origin.host_header, target, headers, b""))
+        except BaseException:
+            self._forget_if_unused(origin)
+            raise
+        head_timeout = self._config.response_head_timeout
+        return await self._on_a_connection(
+            origin, lambda conn: conn.get_status(request, head_timeout)
+        )
+
+    def _resolve_open(self, url: str) -> tuple[Origin, bytes]:
+        if self._closed:
+            raise RuntimeError("the upstream pool is closed")
+        return self._resolve(url)
+
+    async def _on_a_connection(
+        self, origin: Origin, exchange: Callable[[Connection], Awaitable[_T]]
+    ) -> _T:
+        """Take a slot of `origin`, then run `exchange` on an idle connection (again on a fresh
+        one if that one was stale: `request` says when) or a new one."""
+        try:
+            await self._acquire_slot(origin)
+        except BaseException:
+            self._forget_if_unused(origin)
+            raise
         try:
             # A failed exchange leaves its connection mid-message: it is closed here, whatever
             # the error (the pool alone closes connections, since it counts them).
             conn = self._take_idle(origin)
             if conn is not None:
                 try:
-                    return await conn.exchange(head, body, head_timeout)
+                    return await exchange(conn)
                 except _DeadBeforeResponse:
                     self._close(conn)
                     self._stale_retries += 1
@@ -317,7 +353,7 @@ class ConnectionPool:
                     raise
             conn = await self._connect(origin)
             try:
-                return await conn.exchange(head, body, head_timeout)
+                return await exchange(conn)
             except _DeadBeforeResponse as dead:
                 self._close(conn)
                 raise UpstreamProtocolError(
