@@ -227,7 +227,7 @@ UNCOUNTED_AT_CLOSE = _feature(
     _LIMITS + "test_a_connection_stops_counting_when_its_socket_closes",
 )
 READS = _cost(
-    "a read has no generator-based timeout around it (none at all without a read timeout)",
+    "a read has no generator-based timeout around it, and on plain TCP waits before it reads",
     _SERVING + "reads",
     _FIXES + "test_reads_enter_no_generator_based_timeout",
 )

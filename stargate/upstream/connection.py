@@ -43,6 +43,7 @@ import trio
 from h11 import _abnf as abnf
 from h11._readers import ChunkedReader
 
+from stargate.socket_reads import SocketReader
 from stargate.upstream.chunked import ChunkedDecoder, ChunkedError
 from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
 from stargate.upstream.status_head import HeadError, StatusHead, parse_status_head
@@ -142,8 +143,8 @@ class Connection:
 
     __slots__ = (
         "_plain",
+        "_reader",
         "_renewed",
-        "_wait_first",
         "closed",
         "h11",
         "idle_since",
@@ -173,7 +174,7 @@ class Connection:
         self._plain: trio.socket.SocketType | None = (
             socket_stream.socket if stream is socket_stream else None
         )
-        self._wait_first = True  # the last read did not fill the buffer: wait before reading
+        self._reader = None if self._plain is None else SocketReader(self._plain, _RECEIVE_SIZE)
         self._renewed = False  # `h11` was replaced after a body read without it
 
     def renew_machine(self) -> None:
@@ -225,35 +226,14 @@ class Connection:
     async def receive(self) -> bytes:
         """The bytes available now, waiting for some if there are none (b"" at EOF).
 
-        On a plain TCP connection this waits for readability *first* and then makes one
-        `read(2)`, unless the previous read filled the buffer (more is then likely waiting):
-        trio's `receive_some` tries the read first, which for a response head or the next SSE
-        event (not there yet: the previous read took everything) is a failed syscall and an
-        exception before the same wait. Errors are trio's, as from `receive_some`.
+        On a plain TCP connection this waits for readability *first* (`SocketReader`, in
+        stargate/socket_reads.py, which says why); TLS goes through trio's `receive_some`.
+        Errors are trio's, as from `receive_some`.
         """
-        sock = self._plain
-        if sock is None:
+        reader = self._reader
+        if reader is None:
             return cast(bytes, await self.stream.receive_some(_RECEIVE_SIZE))
-        wait = self._wait_first
-        while True:
-            if wait:
-                if sock.fileno() < 0:
-                    raise trio.ClosedResourceError("the connection is closed")
-                await trio.lowlevel.wait_readable(sock)
-            fd = sock.fileno()
-            if fd < 0:
-                raise trio.ClosedResourceError("the connection is closed")
-            try:
-                data = os.read(fd, _RECEIVE_SIZE)
-            except BlockingIOError:
-                wait = True
-                continue
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
-            self._wait_first = len(data) < _RECEIVE_SIZE
-            if not wait:
-                await trio.lowlevel.checkpoint()  # a read that did not wait still yields
-            return data
+        return await reader.receive()
 
     async def exchange(
         self, head: h11.Request, body: Body, head_timeout: float
