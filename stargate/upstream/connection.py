@@ -300,18 +300,8 @@ class Connection:
                     f"bad response head from {self.name}: {exc}", request_sent=True
                 ) from exc
             if head is None:
-                try:
-                    data = await self.receive()
-                except trio.BrokenResourceError as exc:
-                    if not received:
-                        raise _DeadBeforeResponse(request_sent=True) from exc
-                    raise UpstreamProtocolError(
-                        f"connection to {self.name} lost while reading the response head",
-                        request_sent=True,
-                    ) from exc
+                data = await self._receive_in_head(received)
                 if not data:
-                    if not received:
-                        raise _DeadBeforeResponse(request_sent=True)
                     raise UpstreamProtocolError(
                         f"{self.name} closed the connection mid-head", request_sent=True
                     )
@@ -321,6 +311,23 @@ class Connection:
                 buf = buf[head.size :]  # 1xx: the final head follows
             else:
                 return head, buf[head.size :]
+
+    async def _receive_in_head(self, received: bool) -> bytes:
+        """The next bytes of a response head (b"" at EOF after some arrived). A connection
+        closed or reset before any byte of the response (`received` False) is
+        `_DeadBeforeResponse`, which the pool retries once if the connection was reused."""
+        try:
+            data = await self.receive()
+        except trio.BrokenResourceError as exc:
+            if not received:
+                raise _DeadBeforeResponse(request_sent=True) from exc
+            raise UpstreamProtocolError(
+                f"connection to {self.name} lost while reading the response head",
+                request_sent=True,
+            ) from exc
+        if not data and not received:
+            raise _DeadBeforeResponse(request_sent=True)
+        return data
 
     async def _read_to_end(self, head: StatusHead, body: bytes) -> bool:
         """Read past the body of `head` (`body`: what arrived with it); True when the
@@ -403,17 +410,7 @@ class Connection:
                     f"bad response head from {self.name}: {exc}", request_sent=True
                 ) from exc
             if event is h11.NEED_DATA:
-                try:
-                    data = await self.receive()
-                except trio.BrokenResourceError as exc:
-                    if not received:
-                        raise _DeadBeforeResponse(request_sent=True) from exc
-                    raise UpstreamProtocolError(
-                        f"connection to {self.name} lost while reading the response head",
-                        request_sent=True,
-                    ) from exc
-                if not data and not received:
-                    raise _DeadBeforeResponse(request_sent=True)
+                data = await self._receive_in_head(received)
                 received = True
                 machine.receive_data(data)
             elif isinstance(event, h11.Response):

@@ -140,18 +140,9 @@ def test_the_decoder_accepts_and_refuses_what_h11_does(
 # --- the pool around it -----------------------------------------------------------------------
 
 
-async def _raw(conn: ServerConn, wire: bytes, close: bool = False) -> None:
-    await conn.stream.send_all(wire)
-    conn.close_after = close
-
-
 async def test_a_complete_keep_alive_body_returns_its_connection(nursery: trio.Nursery) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, HEAD + SSE + b"0\r\n\r\n")
-        # The raw answer bypassed the server's machine: it is told of one (its bytes dropped),
-        # so it keeps the connection for the next request.
-        conn.h11.send(h11.Response(status_code=200, headers=[(b"content-length", b"0")]))
-        conn.h11.send(h11.EndOfMessage())
+        await conn.send_raw(HEAD + SSE + b"0\r\n\r\n")
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:
@@ -176,7 +167,7 @@ async def test_a_body_that_does_not_leave_the_connection_clean_closes_it(
     nursery: trio.Nursery, answer: bytes
 ) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, answer, close=True)
+        await conn.send_raw(answer, close=True)
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:
@@ -195,7 +186,7 @@ async def test_a_broken_or_cut_body_is_a_protocol_error_and_the_connection_is_dr
     nursery: trio.Nursery, tail: bytes, message: str
 ) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, HEAD + SSE + tail, close=True)
+        await conn.send_raw(HEAD + SSE + tail, close=True)
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:

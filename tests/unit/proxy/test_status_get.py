@@ -122,15 +122,6 @@ def test_the_parser_accepts_and_refuses_what_h11_does(line: bytes, fields: list[
 # --- the exchange --------------------------------------------------------------------------------
 
 
-async def _raw(conn: ServerConn, wire: bytes, close: bool = False) -> None:
-    """Answer with `wire` as it is; the server's machine is told of an answer (its bytes
-    dropped) so it keeps the connection for the next request unless `close`."""
-    await conn.stream.send_all(wire)
-    conn.h11.send(h11.Response(status_code=200, headers=[(b"content-length", b"0")]))
-    conn.h11.send(h11.EndOfMessage())
-    conn.close_after = close
-
-
 @pytest.mark.parametrize(
     "answer",
     [
@@ -144,7 +135,7 @@ async def test_a_kept_connection_serves_the_next_probe(
     nursery: trio.Nursery, answer: bytes
 ) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, answer)
+        await conn.send_raw(answer)
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:
@@ -172,7 +163,7 @@ async def test_an_answer_that_leaves_the_connection_unclean_closes_it(
     nursery: trio.Nursery, answer: bytes
 ) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, answer, close=True)
+        await conn.send_raw(answer, close=True)
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:
@@ -195,7 +186,7 @@ async def test_a_cut_or_malformed_answer_is_a_protocol_error_and_closes_the_conn
     nursery: trio.Nursery, answer: bytes, message: str
 ) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, answer, close=True)
+        await conn.send_raw(answer, close=True)
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:
@@ -209,7 +200,7 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
     nursery: trio.Nursery,
 ) -> None:
     async def handler(conn: ServerConn, request: h11.Request, body: bytes) -> None:
-        await _raw(conn, b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", close=True)
+        await conn.send_raw(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", close=True)
 
     server = await start_server(nursery, handler)
     async with ConnectionPool() as pool:

@@ -74,6 +74,14 @@ class ServerConn:
             h11.EndOfMessage(),
         )
 
+    async def send_raw(self, wire: bytes, close: bool = False) -> None:
+        """Answer with `wire` as it is. The server's machine is told of an answer (its bytes
+        dropped), so it keeps the connection for the next request unless `close`."""
+        await self.stream.send_all(wire)
+        self.h11.send(h11.Response(status_code=200, headers=[(b"content-length", b"0")]))
+        self.h11.send(h11.EndOfMessage())
+        self.close_after = close
+
     async def wait_for_client_close(self) -> None:
         """Block until the client closes (EOF or reset), ignoring anything it sends."""
         try:
