@@ -8,10 +8,9 @@ once; what each caller does with the answer (verdicts, INACTIVE models, routes) 
 
 The judgement is separate from the HTTP client that carries it (`HttpGet`): the replica probes
 up to a thousand backends a second through a connection pool of the proxy's kind, reading each
-answer without h11 (`stargate/control_plane/health.py`, `upstream_get`; httpx cost about 1 ms of
-CPU per probe)
-(docs/performance.md); the Pylon and the process controller probe one engine or a few, through
-httpx (`httpx_get`).
+answer without h11 (`stargate/control_plane/health.py`, `upstream_get`), where httpx cost about
+1 ms of CPU per probe (docs/performance.md); the Pylon and the process controller probe one
+engine or a few, through httpx (`httpx_get`).
 """
 
 from __future__ import annotations

@@ -173,15 +173,14 @@ async def read_data(self: TCPServer) -> None:
 
     1. Reads without `trio.fail_after`, and on plain TCP waiting for readability before the
        read (`SocketReader`, stargate/socket_reads.py) rather than after a failed one (costs;
-       docs/http-serving.md, "Reads"). Hypercorn
-       wraps each read in `trio.fail_after(read_timeout or inf)`, a generator-based context
-       manager around a cancel scope, entered and left once a request (once a heartbeat on a
-       registration stream): about 3 % of the replica's CPU at 1,000 Pylons, 2 % of a proxied
-       request. With no read timeout (stargate sets none: Hypercorn's default) the read has no
-       scope at all, as `fail_after(inf)` never fires; with one, a bare cancel scope with the
-       deadline does what `fail_after` did (the connection ends when it passes). Everything
-       else is the original's: the same errors end the loop, every read goes to the protocol,
-       and `Closed` follows the last.
+       docs/http-serving.md, "Reads"). Hypercorn wraps each read in `trio.fail_after(read_timeout
+       or inf)`, a generator-based context manager around a cancel scope, entered and left once
+       a request (once a heartbeat on a registration stream): about 3 % of the replica's CPU at
+       1,000 Pylons, 2 % of a proxied request. With no read timeout (stargate sets none:
+       Hypercorn's default) the read has no scope at all, as `fail_after(inf)` never fires;
+       with one, a bare cancel scope with the deadline does what `fail_after` did (the
+       connection ends when it passes). Everything else is the original's: the same errors end
+       the loop, every read goes to the protocol, and `Closed` follows the last.
     2. A counted connection whose client closed its side stops its keep-alive timer
        (`limits.client_closed`), after the loop, as the original's wrapper did.
     """

@@ -64,6 +64,11 @@ class ChunkedDecoder:
         self.extra = b""
 
     @property
+    def failed(self) -> bool:
+        """The framing broke after data was returned: the next `feed()` raises."""
+        return self._error is not None
+
+    @property
     def done(self) -> bool:
         """The last chunk and the trailer section have arrived: the body is complete."""
         return self._state == _DONE

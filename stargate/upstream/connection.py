@@ -144,7 +144,6 @@ class Connection:
     __slots__ = (
         "_plain",
         "_reader",
-        "_renewed",
         "closed",
         "h11",
         "idle_since",
@@ -175,22 +174,20 @@ class Connection:
             socket_stream.socket if stream is socket_stream else None
         )
         self._reader = None if self._plain is None else SocketReader(self._plain, _RECEIVE_SIZE)
-        self._renewed = False  # `h11` was replaced after a body read without it
 
     def renew_machine(self) -> None:
         """Give the connection a fresh h11 machine: the response body was read without h11
         (`UpstreamResponse`, a chunked body), so the old machine is stuck in its body."""
         self.h11 = h11.Connection(h11.CLIENT)
-        self._renewed = True
 
     def ready_for_next(self) -> bool:
         """Whether the connection can carry another request, readying it if so: its h11 machine
         finished a keep-alive exchange with nothing left over (it then starts its next cycle), or
-        was just renewed (`renew_machine`)."""
+        is a fresh one (`renew_machine`: a connection is only released after a request, so an
+        idle machine can only be a renewed one)."""
         machine = self.h11
-        if self._renewed:
-            self._renewed = False
-            return machine.our_state is h11.IDLE and machine.their_state is h11.IDLE
+        if machine.our_state is h11.IDLE and machine.their_state is h11.IDLE:
+            return True
         if (
             machine.our_state is h11.DONE
             and machine.their_state is h11.DONE
@@ -592,7 +589,9 @@ class UpstreamResponse:
 
     async def _read_decoded(self, conn: Connection, decoder: ChunkedDecoder) -> list[bytes]:
         """The data of a chunked body (`ChunkedDecoder`) that is there or next arrives."""
-        chunks = self._decode(conn, decoder, self._take_leftover())
+        leftover = self._take_leftover()  # (only before the first read: the rest of a stream
+        # pays no decoder call for it; a failure after returned data is raised here)
+        chunks = self._decode(conn, decoder, leftover) if leftover or decoder.failed else []
         while not chunks and not decoder.done:
             data = await conn.receive()
             if not data:
