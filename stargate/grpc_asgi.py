@@ -1,4 +1,8 @@
-"""A small gRPC server: a raw ASGI app served by Hypercorn over HTTP/2 cleartext, on the trio loop.
+"""A small gRPC server: a raw ASGI app served over HTTP/2, on the trio loop.
+
+The replica serves it with its lean HTTP/2 server (stargate/h2_server.py, docs/decisions.md D20);
+it runs on Hypercorn too, and the rules below that name Hypercorn were written for its quirks
+(they cost nothing on the lean server, which has none of them).
 
 Why not a gRPC library (docs/decisions.md, D4): purerpc never notices a client that
 goes away, grpcio's server needs threads and a second event loop, and grpclib needs asyncio. Owning

@@ -46,6 +46,7 @@ from hypercorn.utils import wrap_app
 from stargate import accept_queue, hypercorn_patches
 from stargate.asgi import InFlight
 from stargate.config import ListenAddress, ServeConfig
+from stargate.h2_server import H2Config, serve_h2
 
 __all__ = [
     "LISTEN_BACKLOG",
@@ -226,7 +227,7 @@ class Server:
     name: str
     app: ASGIApp
     sock: socket.socket
-    config: HypercornConfig
+    config: HypercornConfig | H2Config
     tls: bool = True
 
 
@@ -239,7 +240,7 @@ class Servers:
     """
 
     def __init__(self) -> None:
-        self._configs: list[HypercornConfig] = []
+        self._configs: list[HypercornConfig | H2Config] = []
         self._leaving = False
         self._stopped = trio.Event()
         self._in_flight = InFlight()
@@ -248,7 +249,7 @@ class Servers:
         """Ask every client to move on, while still serving it (idempotent)."""
         self._leaving = True
         for config in self._configs:
-            hypercorn_patches.leave(config)
+            _leave(config)
 
     def stop(self) -> None:
         """Stop accepting on every listener; open connections finish (`serve_asgi`)."""
@@ -277,20 +278,30 @@ class Servers:
         for server in servers:
             self._configs.append(server.config)
             if self._leaving or self._stopped.is_set():  # a shutdown began during start-up
-                hypercorn_patches.leave(server.config)
-            serve = functools.partial(
-                serve_asgi,
-                self._in_flight.track(server.app),
-                server.sock,
-                server.config,
-                self._stopped.wait,
-            )
+                _leave(server.config)
+            app = self._in_flight.track(server.app)
+            serve: Callable[..., Awaitable[None]]
+            if isinstance(server.config, H2Config):
+                serve = functools.partial(
+                    serve_h2, app, server.sock, server.config, self._stopped.wait
+                )
+            else:
+                serve = functools.partial(
+                    serve_asgi, app, server.sock, server.config, self._stopped.wait
+                )
             if ssl_context is not None and server.tls:
                 serve = functools.partial(serve, ssl_context=ssl_context)
             if supervise is None:
                 await nursery.start(serve)
             else:
                 await nursery.start(supervise, server.name, serve)
+
+
+def _leave(config: HypercornConfig | H2Config) -> None:
+    if isinstance(config, H2Config):
+        config.leave()
+    else:
+        hypercorn_patches.leave(config)
 
 
 # ---- the replica's listeners --------------------------------------------------------------------
@@ -346,6 +357,11 @@ def replica_servers(
     on the HTTP listener (stargate/http_limits.py), given its app and its settings.
     """
     listener = functools.partial(hypercorn_config, drain_timeout + 1.0)
+    grpc = functools.partial(
+        H2Config,
+        graceful_timeout=drain_timeout + 1.0,
+        tls_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_SECONDS,
+    )
     http_config = listener(rotate_connections=True)
     http_sock, grpc_sock, discovery_sock, metrics_sock = sockets
     return [
@@ -354,13 +370,13 @@ def replica_servers(
             "control-plane gRPC server",
             control_plane,
             grpc_sock,
-            listener(rotate_connections=False),
+            grpc(),
         ),
         Server(
             "model-discovery gRPC server",
             model_discovery,
             discovery_sock,
-            listener(rotate_connections=True),
+            grpc(max_requests_per_connection=MAX_REQUESTS_PER_CONNECTION),
         ),
         Server(
             "metrics server",

@@ -13,15 +13,18 @@ from typing import Any, cast
 import pytest
 import trio
 import trio.testing
+from hypercorn.config import Config as HypercornConfig
 
 from stargate import serving
 from stargate.asgi import ASGIReceive, ASGIScope, ASGISend
 from stargate.config import ListenAddress, ServeConfig
+from stargate.h2_server import H2Config
 from stargate.mock import cli as mock_cli
 from stargate.pylon import cli as pylon_cli
 from stargate.pylon.sidecar import Pylon
 from stargate.serving import (
     MAX_REQUESTS_PER_CONNECTION,
+    TLS_HANDSHAKE_TIMEOUT_SECONDS,
     UNLIMITED_REQUESTS_PER_CONNECTION,
     ASGIApp,
     Server,
@@ -257,13 +260,17 @@ def test_the_replica_server_table() -> None:
         ("metrics server", apps["metrics"], sockets[3], False),
     ]
     assert limited == [(apps["http"], servers[0].config)]
-    assert [s.config.keep_alive_max_requests for s in servers] == [
-        MAX_REQUESTS_PER_CONNECTION,
-        UNLIMITED_REQUESTS_PER_CONNECTION,
-        MAX_REQUESTS_PER_CONNECTION,
-        MAX_REQUESTS_PER_CONNECTION,
-    ]
+    http, control_plane, discovery, metrics = (s.config for s in servers)
+    # The gRPC listeners are served by the lean HTTP/2 server (stargate/h2_server.py), the others
+    # by Hypercorn.
+    assert isinstance(http, HypercornConfig) and isinstance(metrics, HypercornConfig)
+    assert isinstance(control_plane, H2Config) and isinstance(discovery, H2Config)
+    assert http.keep_alive_max_requests == MAX_REQUESTS_PER_CONNECTION
+    assert metrics.keep_alive_max_requests == MAX_REQUESTS_PER_CONNECTION
+    assert control_plane.max_requests_per_connection is None
+    assert discovery.max_requests_per_connection == MAX_REQUESTS_PER_CONNECTION
     assert {s.config.graceful_timeout for s in servers} == {8.0}
+    assert control_plane.tls_handshake_timeout == TLS_HANDSHAKE_TIMEOUT_SECONDS
 
 
 async def test_servers_start_in_order_with_tls_where_asked_and_leave_once_shutting_down(

@@ -1,0 +1,542 @@
+"""A lean HTTP/2 server for the gRPC listeners: one `h2` connection per socket, driven from trio.
+
+Why (docs/decisions.md, D20): at 1,000 Pylons whose statistics change every heartbeat, Hypercorn's
+HTTP/2 protocol around `h2` (its event queues, a send task per connection, a task and a queue per
+stream, two writes per heartbeat) was the largest share of the replica's CPU that was not our own
+work. A gRPC listener needs far less than a general HTTP server: HTTP/2 only, one ASGI app that
+always reads its requests (stargate/grpc_asgi.py), no request bodies to buffer, no HTTP/1.1.
+
+What it serves, and how (each rule is tested in tests/unit/test_h2_server.py):
+
+* **HTTP/2 only**: cleartext with prior knowledge, or TLS whose ALPN picked `h2`. A connection
+  that opens with anything else gets one plain `HTTP/1.1 505` answer and is closed: gRPC cannot be
+  spoken over HTTP/1.x, and that is what the Hypercorn listener answered too.
+* **One task per request stream**, in the connection's nursery, running the ASGI app with an HTTP
+  scope that offers the `http.response.trailers` extension. The connection's own task reads the
+  socket and hands each stream its events; the app's `send` writes through the same `h2` state.
+* **Inbound flow control**: a stream's DATA is acknowledged (WINDOW_UPDATE, as `h2` batches them)
+  when the app receives it, so a stream whose app stops reading holds back its own client only;
+  the connection's window is opened wide at the start (`CONNECTION_WINDOW`), so it never stalls
+  the other streams while each stream stays bounded by its own 64 KiB window.
+* **Outbound flow control**: the app's `send` waits while the peer's window is closed.
+* **Writes**: a write takes everything `h2` has queued, so whatever several tasks produced while
+  one write was under way leaves in the next single write (a heartbeat's ack and the PING ACK
+  grpcio asks for go together when they are ready together).
+* **A stream's end**: once the app has sent its trailers (or a final body) and the client has
+  ended or reset its side, the stream is forgotten; DATA the client sends after our end is dropped
+  by `h2` (no crash, unlike Hypercorn 0.18's pgjones/hypercorn#329). A reset stream's app gets
+  `http.disconnect`.
+* **Leaving** (`H2Config.leave`): every connection gets GOAWAY (NO_ERROR, the last stream it
+  started), its streams in flight finish, and it closes when none is left; a connection opened
+  later gets GOAWAY at once.
+* **Stopping** (`serve_h2`'s `shutdown_trigger`): no new connections (the accept queue is emptied
+  first, stargate/accept_queue.py), connections with no stream close, the others get
+  `graceful_timeout` seconds, then are cancelled.
+* **Errors**: a protocol error closes the connection with the GOAWAY `h2` chose; an app that raises
+  resets its stream (INTERNAL_ERROR) if it had not ended it, and is logged.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import trio
+from hyperframe.frame import GoAwayFrame
+
+from stargate import accept_queue
+from stargate.socket_reads import SocketReader
+
+__all__ = ["CONNECTION_WINDOW", "H2Config", "serve_h2"]
+
+log = logging.getLogger(__name__)
+
+ASGIApp = Callable[
+    [dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]
+]
+
+CONNECTION_WINDOW = 16 * 1024 * 1024
+"""The connection-level receive window: wide, so one stream's unread data never stalls another
+(each stream is bounded by its own initial window)."""
+
+READ_SIZE = 65536
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HTTP_505 = (
+    b"HTTP/1.1 505 HTTP Version Not Supported\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 21\r\n"
+    b"connection: close\r\n\r\n"
+    b"gRPC requires HTTP/2\n"
+)
+
+
+@dataclass
+class H2Config:
+    """One listener's settings; `leave()` asks its connections to move on (GOAWAY)."""
+
+    graceful_timeout: float = 5.0
+    max_requests_per_connection: int | None = None
+    max_concurrent_streams: int = 100
+    max_header_list_size: int = 65536
+    tls_handshake_timeout: float = 10.0
+    _leaving: bool = False
+    _connections: set[_Connection] = field(default_factory=set)
+
+    @property
+    def leaving(self) -> bool:
+        return self._leaving
+
+    def leave(self) -> None:
+        """GOAWAY to every open connection and to every later one (idempotent)."""
+        self._leaving = True
+        for connection in list(self._connections):
+            connection.go_away()
+
+
+async def serve_h2(
+    app: ASGIApp,
+    sock: socket.socket,
+    config: H2Config,
+    shutdown_trigger: Callable[[], Awaitable[Any]],
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` over HTTP/2 on the bound, listening `sock` until `shutdown_trigger` returns and
+    every connection has finished (at most `config.graceful_timeout` later)."""
+    listener: trio.abc.Listener[Any] = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    if ssl_context is not None:
+        listener = trio.SSLListener(listener, ssl_context, https_compatible=True)
+    server = tuple(sock.getsockname()[:2])
+
+    async def handle(stream: trio.abc.Stream) -> None:
+        await _serve_connection(app, stream, config, server, ssl_context is not None)
+
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as accepting:
+            accepting.start_soon(
+                functools.partial(trio.serve_listeners, handler_nursery=connections),
+                handle,
+                [listener],
+            )
+            task_status.started()
+            await shutdown_trigger()
+            await accept_queue.stop_new_connections(sock)
+            accepting.cancel_scope.cancel()
+        for connection in list(config._connections):
+            connection.go_away()
+        connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+
+
+async def _serve_connection(
+    app: ASGIApp, stream: trio.abc.Stream, config: H2Config, server: tuple[Any, ...], tls: bool
+) -> None:
+    """One accepted connection, from its TLS handshake (if any) to its close."""
+    try:
+        transport: trio.abc.Stream = stream
+        if isinstance(stream, trio.SSLStream):
+            with trio.move_on_after(config.tls_handshake_timeout) as timer:
+                await stream.do_handshake()
+            if timer.cancelled_caught:
+                return
+            transport = stream.transport_stream
+        if not isinstance(transport, trio.SocketStream):
+            return
+        client = transport.socket.getpeername()
+        connection = _Connection(app, stream, config, tuple(client[:2]), server, tls)
+        config._connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            config._connections.discard(connection)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass  # the client went away during the handshake or before its address was read
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+class _Stream:
+    """One request stream: the events waiting for the app's `receive`, and how far each side is."""
+
+    __slots__ = (
+        "app_done",
+        "ended_local",
+        "ended_remote",
+        "events",
+        "head",
+        "id",
+        "reset",
+        "started",
+        "trailers_expected",
+        "wakeup",
+    )
+
+    def __init__(self, stream_id: int) -> None:
+        self.id = stream_id
+        self.events: collections.deque[dict[str, Any]] = collections.deque()
+        self.wakeup: trio.Event | None = None
+        self.ended_remote = False  # the client ended its side (END_STREAM, trailers) or reset it
+        self.ended_local = False  # we ended ours (END_STREAM sent, or reset)
+        self.reset = False  # reset by either side: nothing more is sent or received
+        self.app_done = False
+        self.started = False  # the response head went out
+        self.trailers_expected = False
+        self.head: list[tuple[bytes, bytes]] = []
+
+    def push(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        wakeup = self.wakeup
+        if wakeup is not None:
+            self.wakeup = None
+            wakeup.set()
+
+
+class _Connection:
+    """One client connection: the reader loop, its streams' tasks, and the shared write path."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        stream: trio.abc.Stream,
+        config: H2Config,
+        client: tuple[Any, ...],
+        server: tuple[Any, ...],
+        tls: bool,
+    ) -> None:
+        self.app = app
+        self.stream = stream
+        self.config = config
+        self.client = client
+        self.server = server
+        self.scheme = "https" if tls else "http"
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=False,
+                header_encoding=None,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+            )
+        )
+        self.h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: config.max_header_list_size,
+            },
+        )
+        self.streams: dict[int, _Stream] = {}
+        self.write_lock = trio.Lock()
+        self.pending: list[bytes] = []  # raw frames h2 keeps no record of (our GOAWAY)
+        self.window_opened = trio.Event()
+        self.nursery: trio.Nursery | None = None
+        self.read_scope = trio.CancelScope()
+        self.goaway_last: int | None = None  # set once our GOAWAY is queued: the last stream served
+        self.broken = False
+        self.requests = 0
+        # Plain TCP is read with a wait for readability first (stargate/socket_reads.py).
+        self.reader = (
+            SocketReader(stream.socket, READ_SIZE)
+            if isinstance(stream, trio.SocketStream)
+            else None
+        )
+
+    # ---- the connection's life ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            first = await self._receive()
+            if first[: len(_PREFACE)] != _PREFACE[: len(first)] or not first:
+                if first:
+                    await self.stream.send_all(_HTTP_505)
+                return
+            self.h2.initiate_connection()
+            self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                try:
+                    with self.read_scope:
+                        await self._read_loop(first)
+                finally:
+                    # The reader is done (EOF, a protocol error, or every stream finished after
+                    # our GOAWAY): the apps still running hear a disconnect; the nursery waits.
+                    for stream in list(self.streams.values()):
+                        self._disconnect(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away: its streams' apps heard a disconnect
+
+    async def _read_loop(self, data: bytes) -> None:
+        while data:
+            try:
+                events = self.h2.receive_data(data)
+            except h2.exceptions.ProtocolError as error:
+                # h2 has queued its GOAWAY: send it, and close.
+                log.debug("HTTP/2 protocol error from %s: %s", self.client, error)
+                await self.flush()
+                return
+            for event in events:
+                if self._handle(event):
+                    await self.flush()
+                    return
+            await self.flush()
+            data = await self._receive()
+
+    def _handle(self, event: h2.events.Event) -> bool:
+        """Apply one `h2` event; True when the client ended the connection (GOAWAY)."""
+        if isinstance(event, h2.events.DataReceived):
+            stream = self.streams.get(event.stream_id)
+            if stream is None or stream.reset or stream.app_done:
+                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            else:
+                stream.push(
+                    {
+                        "type": "http.request",
+                        "body": event.data,
+                        "more_body": True,
+                        "_flow": event.flow_controlled_length,
+                    }
+                )
+        elif isinstance(event, h2.events.RequestReceived):
+            self._start(event)
+        elif isinstance(event, (h2.events.StreamEnded, h2.events.TrailersReceived)):
+            stream = self.streams.get(event.stream_id)
+            if stream is not None and not stream.ended_remote:
+                stream.ended_remote = True
+                stream.push({"type": "http.request", "body": b"", "more_body": False})
+                self._forget_if_done(stream)
+        elif isinstance(event, h2.events.StreamReset):
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                self._disconnect(stream)
+                self._forget_if_done(stream)
+        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            self._wake_senders()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            return True
+        return False
+
+    def _start(self, event: h2.events.RequestReceived) -> None:
+        stream_id = event.stream_id
+        if self.goaway_last is not None and stream_id > self.goaway_last:
+            # Sent before the client saw our GOAWAY: refused, so it may retry elsewhere.
+            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        method = path = authority = b""
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in event.headers or ():
+            if name[:1] == b":":
+                if name == b":method":
+                    method = value
+                elif name == b":path":
+                    path = value
+                elif name == b":authority":
+                    authority = value
+            else:
+                headers.append((name, value))
+        if authority:
+            headers.insert(0, (b"host", authority))
+        raw_path, _, query = path.partition(b"?")
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "2",
+            "method": method.decode("ascii", "replace"),
+            "scheme": self.scheme,
+            "path": unquote(raw_path.decode("ascii", "replace")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self.client,
+            "server": self.server,
+            "extensions": {"http.response.trailers": {}},
+        }
+        stream = _Stream(stream_id)
+        self.streams[stream_id] = stream
+        if event.stream_ended is not None:
+            stream.ended_remote = True
+            stream.push({"type": "http.request", "body": b"", "more_body": False})
+        assert self.nursery is not None
+        self.nursery.start_soon(self._run_app, stream, scope)
+        self.requests += 1
+        limit = self.config.max_requests_per_connection
+        if self.config.leaving or (limit is not None and self.requests >= limit):
+            # Leaving: a client that connects now is served once. Rotation: the connection's
+            # last request; the client reconnects, perhaps to another replica.
+            self.go_away(stream_id)
+
+    async def _run_app(self, stream: _Stream, scope: dict[str, Any]) -> None:
+        async def receive() -> dict[str, Any]:
+            while not stream.events:
+                stream.wakeup = trio.Event()
+                await stream.wakeup.wait()
+            event = stream.events.popleft()
+            flow = event.pop("_flow", 0)
+            if flow and not stream.reset:
+                # Acknowledged once the app has it: h2 sends WINDOW_UPDATE when enough is due.
+                self.h2.acknowledge_received_data(flow, stream.id)
+                await self.flush()
+            return event
+
+        async def send(message: dict[str, Any]) -> None:
+            await self._send(stream, message)
+
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            log.exception("the app failed on HTTP/2 stream %d from %s", stream.id, self.client)
+        finally:
+            stream.app_done = True
+            if not stream.ended_local and not stream.reset:
+                self._disconnect(stream)
+                self._reset(stream.id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                with trio.CancelScope(shield=True):
+                    await self.flush()
+            self._forget_if_done(stream)
+
+    # ---- sending ------------------------------------------------------------------------------
+
+    async def _send(self, stream: _Stream, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if stream.reset or stream.ended_local or self.broken:
+            # The client is gone or the response is complete: dropped, as Hypercorn does.
+            await trio.lowlevel.checkpoint()
+            return
+        if kind == "http.response.start":
+            stream.head = [
+                (b":status", str(message["status"]).encode()),
+                *(
+                    (bytes(name).lower(), bytes(value))
+                    for name, value in message.get("headers", ())
+                ),
+            ]
+            stream.trailers_expected = bool(message.get("trailers", False))
+            await trio.lowlevel.checkpoint()
+            return
+        if kind == "http.response.body":
+            self._send_head(stream)
+            end = not message.get("more_body", False) and not stream.trailers_expected
+            await self._send_data(stream, bytes(message.get("body", b"")), end)
+            if end:
+                stream.ended_local = True
+            await self.flush()
+            self._forget_if_done(stream)
+            return
+        if kind == "http.response.trailers":
+            # Hypercorn's `more_trailers` (stargate/grpc_asgi.py `_Call._finish`): the trailers
+            # end the stream as soon as the app sends them; a later empty message adds nothing.
+            self._send_head(stream)
+            headers = [(bytes(name).lower(), bytes(value)) for name, value in message["headers"]]
+            self.h2.send_headers(stream.id, headers, end_stream=True)
+            stream.ended_local = True
+            await self.flush()
+            self._forget_if_done(stream)
+            return
+        raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def _send_head(self, stream: _Stream) -> None:
+        if not stream.started:
+            stream.started = True
+            self.h2.send_headers(stream.id, stream.head)
+
+    async def _send_data(self, stream: _Stream, body: bytes, end: bool) -> None:
+        """`body` as DATA frames within the peer's windows, waiting while they are closed."""
+        view = memoryview(body)
+        while True:
+            if stream.reset or self.broken:
+                return
+            window = min(
+                self.h2.local_flow_control_window(stream.id), self.h2.max_outbound_frame_size
+            )
+            if window > 0 or not view:
+                chunk = view[:window]
+                rest = view[len(chunk) :]
+                self.h2.send_data(stream.id, bytes(chunk), end_stream=end and not rest)
+                if not rest:
+                    return
+                view = rest
+                continue
+            opened = self.window_opened
+            await self.flush()
+            await opened.wait()
+
+    def _wake_senders(self) -> None:
+        self.window_opened.set()
+        self.window_opened = trio.Event()
+
+    def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
+        with contextlib.suppress(h2.exceptions.ProtocolError):  # already closed on h2's side
+            self.h2.reset_stream(stream_id, code)
+
+    def _disconnect(self, stream: _Stream) -> None:
+        """The stream is over for the client: its app hears `http.disconnect` once."""
+        if not stream.reset:
+            stream.reset = True
+            stream.ended_remote = True
+            stream.push({"type": "http.disconnect"})
+            self._wake_senders()  # a send waiting for its window sees the reset
+
+    def _forget_if_done(self, stream: _Stream) -> None:
+        """Forget a stream both sides are done with; after our GOAWAY, close with the last one."""
+        if stream.app_done and (stream.ended_remote or stream.reset):
+            self.streams.pop(stream.id, None)
+            if self.goaway_last is not None and not self.streams:
+                self.read_scope.cancel()
+
+    async def flush(self) -> None:
+        """Write everything queued, in one write; a flush waiting behind another takes the rest."""
+        async with self.write_lock:
+            data = self.h2.data_to_send()
+            if self.pending:
+                data = data + b"".join(self.pending)
+                self.pending.clear()
+            if not data or self.broken:
+                return
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.broken = True
+                self.read_scope.cancel()
+
+    async def _receive(self) -> bytes:
+        try:
+            if self.reader is not None:
+                return await self.reader.receive()
+            return bytes(await self.stream.receive_some(READ_SIZE))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
+    # ---- leaving and stopping ----------------------------------------------------------------
+
+    def go_away(self, last_stream_id: int | None = None) -> None:
+        """GOAWAY(NO_ERROR) naming the last stream served: those finish, later ones are refused.
+
+        Sent as a raw frame, not with h2's `close_connection()`, which would end the streams in
+        flight on h2's side too.
+        """
+        if self.goaway_last is not None:
+            return
+        last = self.h2.highest_inbound_stream_id if last_stream_id is None else last_stream_id
+        self.goaway_last = last
+        self.pending.append(
+            GoAwayFrame(
+                stream_id=0, last_stream_id=last, error_code=h2.errors.ErrorCodes.NO_ERROR
+            ).serialize()
+        )
+        if self.nursery is not None:
+            self.nursery.start_soon(self.flush)
+        if not self.streams:
+            self.read_scope.cancel()
