@@ -62,6 +62,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 
 from stargate.asgi import answer_lifespan
+from stargate.h2_server import DELIVER_EXTENSION
 
 __all__ = [
     "GrpcApp",
@@ -305,7 +306,10 @@ class GrpcApp:
 
 
 class _Call:
-    """One RPC: a reader task feeding the handler, the handler, and the trailers.
+    """One RPC: a reader feeding the handler, the handler, and the trailers.
+
+    The reader is a task of the call draining `receive()`, or, on a server offering
+    `DELIVER_EXTENSION` (stargate/h2_server.py), the server's own task calling `_take`.
 
     Two cancel scopes: `handler_scope` ends the handler but the call still sends its trailers
     (deadline, or the client getting too far ahead); `call_scope` ends everything with nothing more
@@ -321,6 +325,15 @@ class _Call:
         self.method = app.methods.get(path)
         self.max_message_bytes = app.max_message_bytes
         self.buffer_size = app.max_buffered_messages
+        self.deframer = (
+            _Deframer(self.method.request_type, self.max_message_bytes)
+            if self.method is not None
+            else None
+        )
+        offered = scope.get("extensions", {}).get(DELIVER_EXTENSION)
+        self.deliver: Callable[[Callable[[ASGIMessage], bool]], None] | None = (
+            offered["deliver"] if offered is not None else None
+        )
         metadata = _metadata(scope["headers"])
         deadline: float | None = None
         # An error known before the handler runs; the request body is then not even decoded.
@@ -357,7 +370,10 @@ class _Call:
     async def run(self) -> None:
         """Headers, the handler, the status trailers; the reader task runs alongside throughout."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_requests)
+            if self.deliver is not None:
+                self.deliver(self._take)
+            else:
+                nursery.start_soon(self._read_requests)
             try:
                 with self.call_scope:
                     await self._send(
@@ -498,49 +514,56 @@ class _Call:
         that falls further behind fails the call (RESOURCE_EXHAUSTED). After the request body has
         ended (or failed) it keeps waiting, only for `http.disconnect`.
         """
-        method = self.method
-        deframer = (
-            _Deframer(method.request_type, self.max_message_bytes) if method is not None else None
-        )
-        while True:
-            event = await self._receive()
-            kind = event["type"]
-            if kind == "http.disconnect":
-                self.request_ended.set()
-                self.call_scope.cancel()
-                return
-            if kind != "http.request":
-                continue
-            self.last_request_event = trio.current_time()
-            if not event.get("more_body", False):
-                self.request_ended.set()
-            if not self.decoding or deframer is None:
-                continue
-            messages: list[Message] = []
-            error: GrpcError | None = None
+        while not self._take(await self._receive()):
+            pass
+
+    def _take(self, event: ASGIMessage) -> bool:
+        """Apply one request event (see `_read_requests`); True after the disconnect, the last.
+
+        Also the callback of a server offering `DELIVER_EXTENSION`, which calls it from its own
+        task as each event arrives, instead of a reader task of ours waking for it. It never
+        blocks.
+        """
+        kind = event["type"]
+        if kind == "http.disconnect":
+            self.request_ended.set()
+            self.call_scope.cancel()
+            return True
+        if kind != "http.request":
+            return False
+        self.last_request_event = trio.current_time()
+        more_body = event.get("more_body", False)
+        if not more_body:
+            self.request_ended.set()
+        deframer = self.deframer
+        if not self.decoding or deframer is None:
+            return False
+        messages: list[Message] = []
+        error: GrpcError | None = None
+        try:
+            deframer.feed(event.get("body", b""), messages)
+            if not more_body:
+                deframer.finish()
+        except GrpcError as raised:
+            error = raised
+        for message in messages:
             try:
-                deframer.feed(event.get("body", b""), messages)
-                if not event.get("more_body", False):
-                    deframer.finish()
-            except GrpcError as raised:
-                error = raised
-            for message in messages:
-                try:
-                    self.inbox.send_nowait(message)
-                except trio.WouldBlock:
-                    self._fail(
-                        GrpcError(
-                            GrpcStatus.RESOURCE_EXHAUSTED,
-                            f"the server is more than {self.buffer_size} request messages behind"
-                            " the client",
-                        )
+                self.inbox.send_nowait(message)
+            except trio.WouldBlock:
+                self._fail(
+                    GrpcError(
+                        GrpcStatus.RESOURCE_EXHAUSTED,
+                        f"the server is more than {self.buffer_size} request messages behind"
+                        " the client",
                     )
-                    break
-            if error is not None:
-                self.requests._error = error
-            if error is not None or not event.get("more_body", False) or not self.decoding:
-                self.decoding = False
-                self.inbox.close()
+                )
+                break
+        if error is not None:
+            self.requests._error = error
+        if error is not None or not more_body or not self.decoding:
+            self.decoding = False
+            self.inbox.close()
+        return False
 
     def _fail(self, error: GrpcError) -> None:
         """End the handler now; the call's trailers carry `error`."""

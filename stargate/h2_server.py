@@ -20,12 +20,14 @@ What it serves, and how (each rule is tested in tests/unit/test_h2_server.py):
   the other streams while each stream stays bounded by its own 64 KiB window.
 * **Outbound flow control**: the app's `send` waits while the peer's window is closed.
 * **Writes**: a write takes everything `h2` has queued, so whatever several tasks produced while
-  one write was under way leaves in the next single write (a heartbeat's ack and the PING ACK
-  grpcio asks for go together when they are ready together).
-* **A stream's end**: once the app has sent its trailers (or a final body) and the client has
-  ended or reset its side, the stream is forgotten; DATA the client sends after our end is dropped
-  by `h2` (no crash, unlike Hypercorn 0.18's pgjones/hypercorn#329). A reset stream's app gets
-  `http.disconnect`.
+  one write was under way leaves in the next single write. On plain TCP a write the socket takes
+  whole is one `write(2)` without a trip through the scheduler (stargate/socket_io.py).
+* **A stream's end**: once the app has sent its trailers (or a final body) and returned, and the
+  client has ended or reset its side, the stream is forgotten. An app that returns while the
+  client is still sending resets the stream with NO_ERROR (RFC 9113, 8.1: stop sending), one
+  that returns without a complete response with INTERNAL_ERROR. DATA arriving after that is
+  dropped by `h2` (no crash, unlike Hypercorn 0.18's pgjones/hypercorn#329). A reset stream's
+  app gets `http.disconnect`.
 * **Leaving** (`H2Config.leave`): every connection gets GOAWAY (NO_ERROR, the last stream it
   started), its streams in flight finish, and it closes when none is left; a connection opened
   later gets GOAWAY at once.
@@ -59,15 +61,24 @@ import trio
 from hyperframe.frame import GoAwayFrame
 
 from stargate import accept_queue
-from stargate.socket_reads import SocketReader
+from stargate.socket_io import SocketReader, write_now
 
-__all__ = ["CONNECTION_WINDOW", "H2Config", "serve_h2"]
+__all__ = ["CONNECTION_WINDOW", "DELIVER_EXTENSION", "H2Config", "serve_h2"]
 
 log = logging.getLogger(__name__)
 
 ASGIApp = Callable[
     [dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]
 ]
+
+DELIVER_EXTENSION = "stargate.deliver"
+"""An ASGI extension of this server: `scope["extensions"][DELIVER_EXTENSION]["deliver"](callback)`
+makes the server call `callback` with each of the stream's request events (the messages
+`receive()` would return, in order, the ones already queued first) from the connection's own
+task, as they arrive; the app then no longer calls `receive()`. The callback must not block; it
+returns True after the last event it wants (the disconnect), and later events are dropped. DATA
+is acknowledged once the callback has it. stargate/grpc_asgi.py takes it: a call then needs no
+reader task, one task wake less per request message (docs/decisions.md, D20)."""
 
 CONNECTION_WINDOW = 16 * 1024 * 1024
 """The connection-level receive window: wide, so one stream's unread data never stalls another
@@ -174,6 +185,8 @@ class _Stream:
 
     __slots__ = (
         "app_done",
+        "callback",
+        "callback_done",
         "ended_local",
         "ended_remote",
         "events",
@@ -187,8 +200,12 @@ class _Stream:
 
     def __init__(self, stream_id: int) -> None:
         self.id = stream_id
-        self.events: collections.deque[dict[str, Any]] = collections.deque()
+        # Request events not yet received, each with its flow-controlled length.
+        self.events: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
         self.wakeup: trio.Event | None = None
+        # Set by an app that takes DELIVER_EXTENSION: events go to it as they arrive.
+        self.callback: Callable[[dict[str, Any]], bool] | None = None
+        self.callback_done = False  # the callback has had its last event
         self.ended_remote = False  # the client ended its side (END_STREAM, trailers) or reset it
         self.ended_local = False  # we ended ours (END_STREAM sent, or reset)
         self.reset = False  # reset by either side: nothing more is sent or received
@@ -197,8 +214,8 @@ class _Stream:
         self.trailers_expected = False
         self.head: list[tuple[bytes, bytes]] = []
 
-    def push(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
+    def push(self, event: dict[str, Any], flow: int) -> None:
+        self.events.append((event, flow))
         wakeup = self.wakeup
         if wakeup is not None:
             self.wakeup = None
@@ -247,12 +264,10 @@ class _Connection:
         self.goaway_last: int | None = None  # set once our GOAWAY is queued: the last stream served
         self.broken = False
         self.requests = 0
-        # Plain TCP is read with a wait for readability first (stargate/socket_reads.py).
-        self.reader = (
-            SocketReader(stream.socket, READ_SIZE)
-            if isinstance(stream, trio.SocketStream)
-            else None
-        )
+        # Plain TCP is read with a wait for readability first, and written at once when the
+        # socket takes it (stargate/socket_io.py).
+        self.plain = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self.reader = SocketReader(self.plain, READ_SIZE) if self.plain is not None else None
 
     # ---- the connection's life ------------------------------------------------------------------
 
@@ -301,13 +316,10 @@ class _Connection:
             if stream is None or stream.reset or stream.app_done:
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             else:
-                stream.push(
-                    {
-                        "type": "http.request",
-                        "body": event.data,
-                        "more_body": True,
-                        "_flow": event.flow_controlled_length,
-                    }
+                self._deliver(
+                    stream,
+                    {"type": "http.request", "body": event.data, "more_body": True},
+                    event.flow_controlled_length,
                 )
         elif isinstance(event, h2.events.RequestReceived):
             self._start(event)
@@ -315,7 +327,7 @@ class _Connection:
             stream = self.streams.get(event.stream_id)
             if stream is not None and not stream.ended_remote:
                 stream.ended_remote = True
-                stream.push({"type": "http.request", "body": b"", "more_body": False})
+                self._deliver(stream, {"type": "http.request", "body": b"", "more_body": False})
                 self._forget_if_done(stream)
         elif isinstance(event, h2.events.StreamReset):
             stream = self.streams.get(event.stream_id)
@@ -362,13 +374,16 @@ class _Connection:
             "headers": headers,
             "client": self.client,
             "server": self.server,
-            "extensions": {"http.response.trailers": {}},
         }
         stream = _Stream(stream_id)
+        scope["extensions"] = {
+            "http.response.trailers": {},
+            DELIVER_EXTENSION: {"deliver": functools.partial(self._take_over, stream)},
+        }
         self.streams[stream_id] = stream
         if event.stream_ended is not None:
             stream.ended_remote = True
-            stream.push({"type": "http.request", "body": b"", "more_body": False})
+            self._deliver(stream, {"type": "http.request", "body": b"", "more_body": False})
         assert self.nursery is not None
         self.nursery.start_soon(self._run_app, stream, scope)
         self.requests += 1
@@ -378,13 +393,39 @@ class _Connection:
             # last request; the client reconnects, perhaps to another replica.
             self.go_away(stream_id)
 
+    def _deliver(self, stream: _Stream, event: dict[str, Any], flow: int = 0) -> None:
+        """Hand `event` to the stream's app: queued for its `receive()`, or to its callback."""
+        callback = stream.callback
+        if callback is None:
+            stream.push(event, flow)
+            return
+        if not stream.callback_done:
+            try:
+                stream.callback_done = callback(event)
+            except Exception:
+                log.exception("the app's request callback failed on HTTP/2 stream %d", stream.id)
+                stream.callback_done = True
+        if flow and not stream.reset:
+            self.h2.acknowledge_received_data(flow, stream.id)
+
+    def _take_over(self, stream: _Stream, callback: Callable[[dict[str, Any]], bool]) -> None:
+        """DELIVER_EXTENSION: from now on `callback` gets the stream's request events, first the
+        ones already queued."""
+        stream.callback = callback
+        acknowledged = False
+        while stream.events:
+            event, flow = stream.events.popleft()
+            self._deliver(stream, event, flow)
+            acknowledged = acknowledged or flow > 0
+        if acknowledged and self.nursery is not None:
+            self.nursery.start_soon(self.flush)  # the WINDOW_UPDATE it may have queued
+
     async def _run_app(self, stream: _Stream, scope: dict[str, Any]) -> None:
         async def receive() -> dict[str, Any]:
             while not stream.events:
                 stream.wakeup = trio.Event()
                 await stream.wakeup.wait()
-            event = stream.events.popleft()
-            flow = event.pop("_flow", 0)
+            event, flow = stream.events.popleft()
             if flow and not stream.reset:
                 # Acknowledged once the app has it: h2 sends WINDOW_UPDATE when enough is due.
                 self.h2.acknowledge_received_data(flow, stream.id)
@@ -400,9 +441,16 @@ class _Connection:
             log.exception("the app failed on HTTP/2 stream %d from %s", stream.id, self.client)
         finally:
             stream.app_done = True
-            if not stream.ended_local and not stream.reset:
+            if not stream.reset and not (stream.ended_local and stream.ended_remote):
+                # An app that ended without a complete response: INTERNAL_ERROR. One that answered
+                # while the client is still sending: NO_ERROR asks it to stop (RFC 9113, 8.1).
+                code = (
+                    h2.errors.ErrorCodes.NO_ERROR
+                    if stream.ended_local
+                    else (h2.errors.ErrorCodes.INTERNAL_ERROR)
+                )
                 self._disconnect(stream)
-                self._reset(stream.id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                self._reset(stream.id, code)
                 with trio.CancelScope(shield=True):
                     await self.flush()
             self._forget_if_done(stream)
@@ -486,7 +534,7 @@ class _Connection:
         if not stream.reset:
             stream.reset = True
             stream.ended_remote = True
-            stream.push({"type": "http.disconnect"})
+            self._deliver(stream, {"type": "http.disconnect"})
             self._wake_senders()  # a send waiting for its window sees the reset
 
     def _forget_if_done(self, stream: _Stream) -> None:
@@ -497,19 +545,60 @@ class _Connection:
                 self.read_scope.cancel()
 
     async def flush(self) -> None:
-        """Write everything queued, in one write; a flush waiting behind another takes the rest."""
-        async with self.write_lock:
-            data = self.h2.data_to_send()
-            if self.pending:
-                data = data + b"".join(self.pending)
-                self.pending.clear()
-            if not data or self.broken:
-                return
+        """Write everything queued; a flush that waits behind another one takes what is left.
+
+        On plain TCP, with no write under way and room in the socket's buffer (nearly always: a
+        heartbeat's ack is 14 bytes), it is one `write(2)` at once, without yielding
+        (stargate/socket_io.py `write_now`); whatever the socket did not take goes out with
+        `send_all`, under the write lock, which is taken before any yield so a later flush
+        cannot overtake it. So it is not always a checkpoint: the sender's next await is.
+        """
+        lock = self.write_lock
+        if lock.locked():
+            async with lock:
+                await self._send_all(self._take())
+            return
+        data = self._take()
+        if not data:
+            return
+        if self.plain is not None:
             try:
-                await self.stream.send_all(data)
+                sent = write_now(self.plain, data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.broken = True
-                self.read_scope.cancel()
+                self._broken()
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+        lock.acquire_nowait()
+        try:
+            await self._send_all(data)
+        finally:
+            lock.release()
+
+    def _take(self) -> bytes:
+        """Everything queued to be written: h2's frames, then our raw ones."""
+        data = self.h2.data_to_send()
+        if self.pending:
+            data = data + b"".join(self.pending)
+            self.pending.clear()
+        return b"" if self.broken else data
+
+    async def _send_all(self, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._broken()
+        except BaseException:
+            self._broken()  # cancelled part-way: the connection's framing is lost
+            raise
+
+    def _broken(self) -> None:
+        """The connection can no longer be written: stop reading too, and let the apps go."""
+        self.broken = True
+        self.read_scope.cancel()
 
     async def _receive(self) -> bytes:
         try:

@@ -23,7 +23,7 @@ from hypercorn.trio.worker_context import TrioSingleTask
 
 from stargate.hypercorn_patches import limits
 from stargate.hypercorn_patches.state import log, set_release
-from stargate.socket_reads import SocketReader
+from stargate.socket_io import SocketReader
 
 __all__ = ["idle_timeout", "peer", "protocol_send", "read_data", "restart", "run", "stop"]
 
@@ -172,7 +172,7 @@ async def read_data(self: TCPServer) -> None:
     in this order:
 
     1. Reads without `trio.fail_after`, and on plain TCP waiting for readability before the
-       read (`SocketReader`, stargate/socket_reads.py) rather than after a failed one (costs;
+       read (`SocketReader`, stargate/socket_io.py) rather than after a failed one (costs;
        docs/http-serving.md, "Reads"). Hypercorn wraps each read in `trio.fail_after(read_timeout
        or inf)`, a generator-based context manager around a cancel scope, entered and left once
        a request (once a heartbeat on a registration stream): about 3 % of the replica's CPU at

@@ -32,7 +32,6 @@ closes the connection, and a response closes it by releasing it as not reusable.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
@@ -43,7 +42,7 @@ import trio
 from h11 import _abnf as abnf
 from h11._readers import ChunkedReader
 
-from stargate.socket_reads import SocketReader
+from stargate.socket_io import SocketReader, write_now
 from stargate.upstream.chunked import ChunkedDecoder, ChunkedError
 from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
 from stargate.upstream.status_head import HeadError, StatusHead, parse_status_head
@@ -208,13 +207,8 @@ class Connection:
         `ClosedResourceError`).
         """
         sock = self._plain
-        if sock is not None and (fd := sock.fileno()) >= 0:
-            try:
-                sent = os.write(fd, data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
+        if sock is not None and sock.fileno() >= 0:
+            sent = write_now(sock, data)
             if sent == len(data):
                 return
             data = memoryview(data)[sent:]
@@ -224,7 +218,7 @@ class Connection:
         """The bytes available now, waiting for some if there are none (b"" at EOF).
 
         On a plain TCP connection this waits for readability *first* (`SocketReader`, in
-        stargate/socket_reads.py, which says why); TLS goes through trio's `receive_some`.
+        stargate/socket_io.py, which says why); TLS goes through trio's `receive_some`.
         Errors are trio's, as from `receive_some`.
         """
         reader = self._reader

@@ -15,9 +15,9 @@ import h2.events
 import h2.settings
 import pytest
 import trio
-from hyperframe.frame import Frame, GoAwayFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame
 
-from stargate.h2_server import H2Config, serve_h2
+from stargate.h2_server import DELIVER_EXTENSION, H2Config, serve_h2
 
 ASGIMessage = dict[str, Any]
 App = Callable[
@@ -56,7 +56,15 @@ class Client:
     async def request(self, stream_id: int, body: bytes = b"", *, end: bool = True) -> None:
         self.h2.send_headers(stream_id, REQUEST, end_stream=not body and end)
         if body:
-            self.h2.send_data(stream_id, body, end_stream=end)
+            await self.data(stream_id, body, end=end)
+        await self.flush()
+
+    async def data(self, stream_id: int, body: bytes, *, end: bool = False) -> None:
+        """`body` in frames of the largest size the server takes."""
+        size = self.h2.max_outbound_frame_size
+        for start in range(0, len(body), size):
+            last = start + size >= len(body)
+            self.h2.send_data(stream_id, body[start : start + size], end_stream=end and last)
         await self.flush()
 
     async def until(
@@ -237,12 +245,14 @@ async def test_a_stream_whose_app_does_not_read_holds_back_only_itself() -> None
 
 async def test_a_reset_stream_is_a_disconnect_for_its_app() -> None:
     heard: list[str] = []
+    disconnected = trio.Event()
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 heard.append("disconnect")
+                disconnected.set()
                 return
 
     async with served(app) as (port, _, _), client(port) as c:
@@ -251,8 +261,7 @@ async def test_a_reset_stream_is_a_disconnect_for_its_app() -> None:
         c.h2.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
         await c.flush()
         with trio.fail_after(5):
-            while not heard:
-                await trio.sleep(0.01)
+            await disconnected.wait()
     assert heard == ["disconnect"]
 
 
@@ -289,11 +298,14 @@ async def test_data_after_the_trailers_is_dropped_and_the_connection_lives() -> 
     async with served(early) as (port, _, _), client(port) as c:
         await c.request(1, b"first", end=False)
         await c.until(ended(1))
-        c.h2.send_data(1, b"late" * 1000, end_stream=True)
-        await c.flush()
+        # Written raw: the client's h2 knows the stream is over (our RST_STREAM(NO_ERROR) asked
+        # it to stop sending) and would refuse; a client that had not read it yet sends this.
+        late = DataFrame(1, data=b"late" * 1000, flags=["END_STREAM"])
+        await c.stream.send_all(late.serialize())
         await c.request(3)
         await c.until(ended(3))
     assert c.of(h2.events.TrailersReceived, 3)[0].headers == [(b"grpc-status", b"3")]
+    assert c.of(h2.events.StreamReset, 1)[0].error_code == h2.errors.ErrorCodes.NO_ERROR
 
 
 async def test_leaving_finishes_the_streams_in_flight_and_refuses_later_ones() -> None:
@@ -329,14 +341,14 @@ async def test_a_connection_opened_while_leaving_is_served_once() -> None:
 
 
 async def test_rotation_names_the_last_request_of_a_connection() -> None:
-    async with served(echo, H2Config(max_requests_per_connection=2)) as (port, _, _):
-        async with client(port) as c:
-            await c.request(1, b"a")
-            await c.until(ended(1))
-            assert c.of(h2.events.ConnectionTerminated) == []
-            await c.request(3, b"b")
-            await c.until(ended(3))
-            await c.until(lambda events: c.of(h2.events.ConnectionTerminated) != [])
+    config = H2Config(max_requests_per_connection=2)
+    async with served(echo, config) as (port, _, _), client(port) as c:
+        await c.request(1, b"a")
+        await c.until(ended(1))
+        assert c.of(h2.events.ConnectionTerminated) == []
+        await c.request(3, b"b")
+        await c.until(ended(3))
+        await c.until(lambda events: c.of(h2.events.ConnectionTerminated) != [])
     assert c.of(h2.events.ConnectionTerminated)[0].last_stream_id == 3
     assert c.body(3) == b"b"
 
@@ -365,3 +377,51 @@ async def test_stopping_closes_idle_connections_and_gives_busy_ones_the_graceful
         await busy.until(lambda events: False, seconds=5)
         assert busy.closed  # cut at the graceful deadline: the app never finished
     assert len(ended_at) == 1 and ended_at[0] - stopped_at < 2.0
+
+
+async def test_an_app_that_takes_delivery_gets_every_event_in_order_from_the_connection() -> None:
+    """DELIVER_EXTENSION: the events already queued first, then each as it arrives, called from
+    the connection's task (not the app's); DATA is acknowledged once the callback has it."""
+    taken: list[tuple[str, bytes, bool]] = []
+    tasks: list[object] = []  # the task that called the callback, per event
+    app_task: list[object] = []
+    done = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await trio.sleep(0.1)  # the first DATA is queued by now
+        assert not c.of(h2.events.WindowUpdated, 1)  # and not acknowledged
+
+        app_task.append(trio.lowlevel.current_task())
+
+        def callback(message: ASGIMessage) -> bool:
+            tasks.append(trio.lowlevel.current_task())
+            taken.append(
+                (message["type"], message.get("body", b""), message.get("more_body", False))
+            )
+            if message["type"] == "http.disconnect":
+                done.set()
+                return True
+            return False
+
+        scope["extensions"][DELIVER_EXTENSION]["deliver"](callback)
+        await done.wait()
+
+    async with served(app) as (port, _, _), client(port) as c:
+        await c.until(lambda events: c.of(h2.events.WindowUpdated, 0) != [])
+        await c.request(1, b"a" * 40000, end=False)
+        # Queued, then acknowledged when the app takes delivery (h2 acknowledges half a window
+        # at a time, so each 40,000 bytes is one WINDOW_UPDATE).
+        await c.until(lambda events: len(c.of(h2.events.WindowUpdated, 1)) == 1)
+        await c.data(1, b"b" * 40000)
+        await c.until(lambda events: len(c.of(h2.events.WindowUpdated, 1)) == 2)
+        c.h2.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+        await c.flush()
+        with trio.fail_after(5):
+            await done.wait()
+    bodies = b"".join(body for kind, body, _ in taken if kind == "http.request")
+    assert bodies == b"a" * 40000 + b"b" * 40000
+    assert taken[-1] == ("http.disconnect", b"", False)
+    # The queued events are handed over in the app's own call; later ones by the connection.
+    later = tasks[len(tasks) - len([t for t in taken if t[1].startswith(b"b")]) - 1 :]
+    assert tasks[0] is app_task[0]
+    assert app_task[0] not in later

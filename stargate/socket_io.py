@@ -1,4 +1,7 @@
-"""Reading a plain TCP socket from trio: wait for readability first, then one `read(2)`.
+"""Reading and writing a plain TCP socket from trio, with fewer trips through the scheduler.
+
+Reads (`SocketReader`) wait for readability first, then make one `read(2)`; writes
+(`write_now`) make one `write(2)` at once and leave the rest, if any, to trio's `send_all`.
 
 trio's `SocketStream.receive_some` tries the read first and waits only when it fails, which
 suits a stream whose data is usually there already. A server's connections, and a client's, are
@@ -18,7 +21,7 @@ import os
 
 import trio
 
-__all__ = ["SocketReader"]
+__all__ = ["SocketReader", "write_now"]
 
 
 class SocketReader:
@@ -57,3 +60,24 @@ class SocketReader:
             if not wait:
                 await trio.lowlevel.cancel_shielded_checkpoint()  # a read that did not wait yields
             return data
+
+
+def write_now(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> int:
+    """Write what the socket's buffer takes of `data` now, without yielding; the bytes written.
+
+    A message to a peer that keeps reading (a request, an ack) nearly always fits whole, and one
+    `write(2)` then replaces `send_all`, which yields after the write (a trip through the
+    scheduler) and wraps it in four context managers (docs/data-plane.md, "Upstream socket
+    I/O"). The caller sends the rest, if any, with `send_all`. Errors are trio's:
+    `ClosedResourceError` once the socket is closed, `BrokenResourceError` for a failed write.
+    Not a checkpoint: the caller's next await is.
+    """
+    fd = sock.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the connection is closed")
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc

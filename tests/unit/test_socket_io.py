@@ -1,16 +1,18 @@
-"""`SocketReader` (stargate/socket_reads.py): a read waits for readability before it reads, so a
-connection read before its data arrives costs no failed `read(2)`; after a read that filled the
-buffer the next reads first; every read is a checkpoint; a closed socket is trio's error."""
+"""`SocketReader` and `write_now` (stargate/socket_io.py): a read waits for readability before
+it reads, so a connection read before its data arrives costs no failed `read(2)`; after a read
+that filled the buffer the next reads first; every read is a checkpoint; a write is one
+`write(2)` without a checkpoint; a closed socket is trio's error."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import trio
 import trio.testing
 
-from stargate.socket_reads import SocketReader
+from stargate.socket_io import SocketReader, write_now
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -80,3 +82,26 @@ async def test_eof_is_an_empty_read() -> None:
     ours, peer = trio.socket.socketpair()
     peer.close()
     assert await SocketReader(ours, 65536).receive() == b""
+
+
+async def test_write_now_writes_what_the_buffer_takes_without_yielding() -> None:
+    ours, peer = trio.socket.socketpair()
+    with ours, peer:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with trio.testing.assert_no_checkpoints():
+            assert write_now(ours, b"ack") == 3
+            big = b"x" * 10_000_000
+            sent = write_now(ours, big)
+        assert 0 < sent < len(big)  # the rest is the caller's, for send_all
+        assert await peer.recv(3) == b"ack"
+
+
+async def test_write_now_raises_trios_errors() -> None:
+    ours, peer = trio.socket.socketpair()
+    peer.close()
+    with pytest.raises(trio.BrokenResourceError):
+        for _ in range(100):  # the first writes may still land in the buffer
+            write_now(ours, b"x" * 65536)
+    ours.close()
+    with pytest.raises(trio.ClosedResourceError):
+        write_now(ours, b"x")
