@@ -31,6 +31,8 @@ What it serves, and how (each rule is tested in tests/unit/test_h2_server.py):
 * **Leaving** (`H2Config.leave`): every connection gets GOAWAY (NO_ERROR, the last stream it
   started), its streams in flight finish, and it closes when none is left; a connection opened
   later gets GOAWAY at once.
+* **Idle connections**: a connection with no stream for `H2Config.idle_timeout` (5 minutes) gets
+  GOAWAY and is closed; one that never sends its preface is closed at the same timeout.
 * **Stopping** (`serve_h2`'s `shutdown_trigger`): no new connections (the accept queue is emptied
   first, stargate/accept_queue.py), connections with no stream close, the others get
   `graceful_timeout` seconds, then are cancelled.
@@ -44,6 +46,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -63,7 +66,13 @@ from hyperframe.frame import GoAwayFrame
 from stargate import accept_queue
 from stargate.socket_io import SocketReader, write_now
 
-__all__ = ["CONNECTION_WINDOW", "DELIVER_EXTENSION", "H2Config", "serve_h2"]
+__all__ = [
+    "CONNECTION_WINDOW",
+    "DELIVER_EXTENSION",
+    "IDLE_TIMEOUT_SECONDS",
+    "H2Config",
+    "serve_h2",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,10 @@ task, as they arrive; the app then no longer calls `receive()`. The callback mus
 returns True after the last event it wants (the disconnect), and later events are dropped. DATA
 is acknowledged once the callback has it. stargate/grpc_asgi.py takes it: a call then needs no
 reader task, one task wake less per request message (docs/decisions.md, D20)."""
+
+IDLE_TIMEOUT_SECONDS = 300.0
+"""`H2Config.idle_timeout`'s default: 5 minutes without a stream (Hypercorn closed an idle HTTP/2
+connection after 5 s, so a gateway polling ListModels every 10 s reconnected every time)."""
 
 CONNECTION_WINDOW = 16 * 1024 * 1024
 """The connection-level receive window: wide, so one stream's unread data never stalls another
@@ -97,9 +110,16 @@ _HTTP_505 = (
 
 @dataclass
 class H2Config:
-    """One listener's settings; `leave()` asks its connections to move on (GOAWAY)."""
+    """One listener's settings; `leave()` asks its connections to move on (GOAWAY).
+
+    `idle_timeout`: a connection with no stream for this long (from its accept, or from its last
+    stream's end) gets GOAWAY and is closed, so clients that connect and go quiet cannot pile
+    up descriptors. A gRPC client reconnects by itself; a Pylon's registration stream is never
+    idle. `graceful_timeout`: how long connections with streams in flight have once the server
+    stops."""
 
     graceful_timeout: float = 5.0
+    idle_timeout: float = IDLE_TIMEOUT_SECONDS
     max_requests_per_connection: int | None = None
     max_concurrent_streams: int = 100
     max_header_list_size: int = 65536
@@ -273,7 +293,9 @@ class _Connection:
 
     async def run(self) -> None:
         try:
-            first = await self._receive()
+            first = b""
+            with trio.move_on_after(self.config.idle_timeout):
+                first = await self._receive()
             if first[: len(_PREFACE)] != _PREFACE[: len(first)] or not first:
                 if first:
                     await self.stream.send_all(_HTTP_505)
@@ -283,8 +305,13 @@ class _Connection:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 try:
+                    self._idle_from(trio.current_time())
                     with self.read_scope:
                         await self._read_loop(first)
+                    if self.read_scope.cancelled_caught and not self.streams and not self.broken:
+                        self.go_away()  # idle (or done after our GOAWAY, sent already)
+                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                            await self.flush()
                 finally:
                     # The reader is done (EOF, a protocol error, or every stream finished after
                     # our GOAWAY): the apps still running hear a disconnect; the nursery waits.
@@ -376,6 +403,7 @@ class _Connection:
             "server": self.server,
         }
         stream = _Stream(stream_id)
+        self.read_scope.deadline = math.inf  # not idle while a stream is open
         scope["extensions"] = {
             "http.response.trailers": {},
             DELIVER_EXTENSION: {"deliver": functools.partial(self._take_over, stream)},
@@ -541,8 +569,15 @@ class _Connection:
         """Forget a stream both sides are done with; after our GOAWAY, close with the last one."""
         if stream.app_done and (stream.ended_remote or stream.reset):
             self.streams.pop(stream.id, None)
-            if self.goaway_last is not None and not self.streams:
-                self.read_scope.cancel()
+            if not self.streams:
+                if self.goaway_last is not None:
+                    self.read_scope.cancel()
+                else:
+                    self._idle_from(trio.current_time())
+
+    def _idle_from(self, now: float) -> None:
+        """No stream since `now`: the connection closes at the idle timeout unless one starts."""
+        self.read_scope.deadline = now + self.config.idle_timeout
 
     async def flush(self) -> None:
         """Write everything queued; a flush that waits behind another one takes what is left.

@@ -425,3 +425,34 @@ async def test_an_app_that_takes_delivery_gets_every_event_in_order_from_the_con
     later = tasks[len(tasks) - len([t for t in taken if t[1].startswith(b"b")]) - 1 :]
     assert tasks[0] is app_task[0]
     assert app_task[0] not in later
+
+
+async def test_an_idle_connection_gets_goaway_and_is_closed_at_the_idle_timeout() -> None:
+    """From its accept, and again from its last stream's end; a stream in flight is no idle."""
+    release = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            await release.wait()
+        await echo(scope, receive, send)
+
+    config = H2Config(idle_timeout=0.3)
+    async with served(app, config) as (port, _, _):
+        async with client(port) as quiet:
+            opened = trio.current_time()
+            await quiet.until(lambda events: False)
+            assert quiet.closed and 0.25 < trio.current_time() - opened < 2.0
+            (goaway,) = quiet.of(h2.events.ConnectionTerminated)
+            assert (goaway.error_code, goaway.last_stream_id) == (h2.errors.ErrorCodes.NO_ERROR, 0)
+        async with client(port) as busy:
+            busy.h2.send_headers(1, [(k, b"/slow" if k == b":path" else v) for k, v in REQUEST])
+            await busy.flush()
+            await trio.sleep(0.6)  # twice the idle timeout, with a stream in flight
+            assert busy.of(h2.events.ConnectionTerminated) == []
+            release.set()
+            await busy.data(1, b"done", end=True)
+            await busy.until(ended(1))
+            ended_at = trio.current_time()
+            await busy.until(lambda events: False)
+            assert busy.closed and 0.25 < trio.current_time() - ended_at < 2.0
+            assert busy.of(h2.events.ConnectionTerminated)[0].last_stream_id == 1
