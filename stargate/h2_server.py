@@ -168,8 +168,9 @@ async def serve_h2(
             await shutdown_trigger()
             await accept_queue.stop_new_connections(sock)
             accepting.cancel_scope.cancel()
-        for connection in list(config._connections):
-            connection.go_away()
+        # Every connection gets GOAWAY: an idle one closes now, one whose first stream is still
+        # on its way is served that stream; all of them within the graceful timeout.
+        config.leave()
         connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
 
 
@@ -196,6 +197,10 @@ async def _serve_connection(
             config._connections.discard(connection)
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
         pass  # the client went away during the handshake or before its address was read
+    except Exception:
+        # A bug here or in h2 ends this connection only, never the listener (and with it the
+        # replica): its streams' apps have heard a disconnect.
+        log.exception("HTTP/2 connection failed; closed")
     finally:
         await trio.aclose_forcefully(stream)
 
