@@ -97,6 +97,10 @@ CONNECTION_WINDOW = 16 * 1024 * 1024
 """The connection-level receive window: wide, so one stream's unread data never stalls another
 (each stream is bounded by its own initial window)."""
 
+CLOSE_SECONDS = 1.0
+"""A graceful close (idle, or every stream done after our GOAWAY) waits at most this long for
+the client to read the GOAWAY and close its side."""
+
 READ_SIZE = 65536
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HTTP_505 = (
@@ -315,8 +319,9 @@ class _Connection:
                         await self._read_loop(first)
                     if self.read_scope.cancelled_caught and not self.streams and not self.broken:
                         self.go_away()  # idle (or done after our GOAWAY, sent already)
-                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_SECONDS):
                             await self.flush()
+                            await self._drain()
                 finally:
                     # The reader is done (EOF, a protocol error, or every stream finished after
                     # our GOAWAY): the apps still running hear a disconnect; the nursery waits.
@@ -340,6 +345,18 @@ class _Connection:
                     return
             await self.flush()
             data = await self._receive()
+
+    async def _drain(self) -> None:
+        """Before a graceful close: end our side, then read (and drop) until the client closes.
+
+        Closing a socket with the client's frames unread (a SETTINGS ACK, a PING) sends a reset,
+        and a client's kernel may then drop our GOAWAY before the client has read it.
+        """
+        if self.plain is not None:
+            with contextlib.suppress(OSError):
+                self.plain.shutdown(socket.SHUT_WR)
+        while await self._receive():
+            pass
 
     def _handle(self, event: h2.events.Event) -> bool:
         """Apply one `h2` event; True when the client ended the connection (GOAWAY)."""
