@@ -206,6 +206,8 @@ async def _serve_connection(
         # replica): its streams' apps have heard a disconnect.
         log.exception("HTTP/2 connection failed; closed")
     finally:
+        # TLS: the listener is https_compatible, as Hypercorn's, so no close_notify is sent (nor
+        # expected): clients frame by length and by HTTP/2's own GOAWAY.
         await trio.aclose_forcefully(stream)
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,6 +17,7 @@ import h2.events
 import h2.settings
 import pytest
 import trio
+import trustme
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame
 
 from stargate.h2_server import DELIVER_EXTENSION, H2Config, serve_h2
@@ -36,7 +39,7 @@ REQUEST = [
 class Client:
     """One HTTP/2 client connection, its events collected by `until`."""
 
-    def __init__(self, stream: trio.SocketStream, initial_window: int | None = None) -> None:
+    def __init__(self, stream: trio.abc.Stream, initial_window: int | None = None) -> None:
         self.stream = stream
         self.h2 = h2.connection.H2Connection(
             h2.config.H2Configuration(client_side=True, header_encoding=None)
@@ -488,3 +491,61 @@ async def test_a_failure_in_one_connection_closes_it_and_the_listener_serves_on(
             await c.until(ended(1))
     assert c.body(1) == b"still served"
     assert "HTTP/2 connection failed" in caplog.text
+
+
+@asynccontextmanager
+async def served_tls(
+    app: App, config: H2Config
+) -> AsyncIterator[tuple[int, Callable[[list[str]], ssl.SSLContext]]]:
+    """`app` served over TLS (ALPN h2, then http/1.1, as the replica's context offers); yields
+    the port and a maker of client contexts offering the given ALPN protocols."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    server_context.set_alpn_protocols(["h2", "http/1.1"])
+
+    def client_context(protocols: list[str]) -> ssl.SSLContext:
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        context.set_alpn_protocols(protocols)
+        return context
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(serve_h2, ssl_context=server_context)
+        await nursery.start(serve, app, sock, config, stop.wait)
+        yield sock.getsockname()[1], client_context
+        stop.set()
+
+
+async def test_over_tls_alpn_h2_is_served_and_http_1_gets_the_505() -> None:
+    async with served_tls(echo, H2Config()) as (port, context):
+        stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=context(["h2"]))
+        c = Client(stream)
+        await c.flush()
+        await c.request(1, b"secret")
+        await c.until(ended(1))
+        assert c.body(1) == b"secret"
+        await stream.aclose()
+
+        # An HTTPS client: the server sends no close_notify (https_compatible, as Hypercorn's).
+        stream = await trio.open_ssl_over_tcp_stream(
+            "127.0.0.1", port, ssl_context=context(["http/1.1"]), https_compatible=True
+        )
+        await stream.send_all(b"POST /svc/Method HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        answer = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 505 ")
+
+
+async def test_a_tls_client_that_never_finishes_its_handshake_is_closed() -> None:
+    async with served_tls(echo, H2Config(tls_handshake_timeout=0.3)) as (port, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)  # no ClientHello
+        with trio.fail_after(5):
+            assert await stream.receive_some(4096) == b""
+        await stream.aclose()
