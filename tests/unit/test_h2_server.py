@@ -98,6 +98,7 @@ class Client:
             return self.h2.receive_data(frame)
         goaway, _ = Frame.parse_frame_header(memoryview(frame[:9]))
         goaway.parse_body(memoryview(frame[9:]))
+        assert isinstance(goaway, GoAwayFrame)
         event = h2.events.ConnectionTerminated()
         event.error_code = h2.errors.ErrorCodes(goaway.error_code)
         event.last_stream_id = goaway.last_stream_id
