@@ -10,10 +10,12 @@ What it serves, and how (each rule is tested in tests/unit/test_h2_server.py):
 
 * **HTTP/2 only**: cleartext with prior knowledge, or TLS whose ALPN picked `h2`. A connection
   that opens with anything else gets one plain `HTTP/1.1 505` answer and is closed: gRPC cannot be
-  spoken over HTTP/1.x, and that is what the Hypercorn listener answered too.
+  spoken over HTTP/1.x (on Hypercorn the app answered it: 505 to a POST, 405 to a GET).
 * **One task per request stream**, in the connection's nursery, running the ASGI app with an HTTP
   scope that offers the `http.response.trailers` extension. The connection's own task reads the
   socket and hands each stream its events; the app's `send` writes through the same `h2` state.
+  An app that takes `DELIVER_EXTENSION` gets its request events by callback from the
+  connection's task instead of waking for each in `receive()`.
 * **Inbound flow control**: a stream's DATA is acknowledged (WINDOW_UPDATE, as `h2` batches them)
   when the app receives it, so a stream whose app stops reading holds back its own client only;
   the connection's window is opened wide at the start (`CONNECTION_WINDOW`), so it never stalls
@@ -30,14 +32,17 @@ What it serves, and how (each rule is tested in tests/unit/test_h2_server.py):
   app gets `http.disconnect`.
 * **Leaving** (`H2Config.leave`): every connection gets GOAWAY (NO_ERROR, the last stream it
   started), its streams in flight finish, and it closes when none is left; a connection opened
-  later gets GOAWAY at once.
+  later is served its first stream, then gets the GOAWAY naming it. A graceful close ends our
+  side and reads until the client closes (at most `CLOSE_SECONDS`), so a reset cannot swallow
+  the GOAWAY.
 * **Idle connections**: a connection with no stream for `H2Config.idle_timeout` (5 minutes) gets
   GOAWAY and is closed; one that never sends its preface is closed at the same timeout.
 * **Stopping** (`serve_h2`'s `shutdown_trigger`): no new connections (the accept queue is emptied
   first, stargate/accept_queue.py), connections with no stream close, the others get
   `graceful_timeout` seconds, then are cancelled.
 * **Errors**: a protocol error closes the connection with the GOAWAY `h2` chose; an app that raises
-  resets its stream (INTERNAL_ERROR) if it had not ended it, and is logged.
+  resets its stream (INTERNAL_ERROR) if it had not ended it, and is logged; any other failure on
+  a connection's own path is logged and closes that connection, never the listener.
 """
 
 from __future__ import annotations
