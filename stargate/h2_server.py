@@ -501,14 +501,12 @@ class _Connection:
             if not stream.reset and not (stream.ended_local and stream.ended_remote):
                 # An app that ended without a complete response: INTERNAL_ERROR. One that answered
                 # while the client is still sending: NO_ERROR asks it to stop (RFC 9113, 8.1).
-                code = (
-                    h2.errors.ErrorCodes.NO_ERROR
-                    if stream.ended_local
-                    else (h2.errors.ErrorCodes.INTERNAL_ERROR)
-                )
+                errors = h2.errors.ErrorCodes
+                code = errors.NO_ERROR if stream.ended_local else errors.INTERNAL_ERROR
                 self._disconnect(stream)
                 self._reset(stream.id, code)
-                with trio.CancelScope(shield=True):
+                # Shielded (the app may have been cancelled), bounded (the client may not read).
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_SECONDS):
                     await self.flush()
             self._forget_if_done(stream)
 
