@@ -9,11 +9,12 @@ own listeners.
 - `serve_asgi` serves an ASGI app on a bound socket with Hypercorn's trio worker, over TLS when
   given a server `ssl.SSLContext` (docs/tls.md); `Servers` serves a table of them (`Server`:
   name, app, socket, settings, whether it takes TLS), one task each, and leaves, stops and
-  drains them as one.
+  drains them as one. A server whose settings are an `H2Config` is served by the lean HTTP/2
+  server instead (`serve_h2`, stargate/h2_server.py): the replica's two gRPC listeners.
 - `closed_on_failure` closes the bound sockets when start-up fails before they are served, and
   `startup_failures` finds the `StartupError`s in a failed nursery's exception group.
 - The replica's four listeners: `bind_replica` binds them (`BoundAddresses`: where), and
-  `replica_servers` is their table: which app each serves, its Hypercorn settings, and its TLS.
+  `replica_servers` is their table: which app each serves, its server's settings, and its TLS.
 - `watch_signals` turns SIGTERM/SIGINT into the caller's own shutdown policy: one callback for the
   signal that starts the shutdown, another for any later one (docs/rolling-restarts.md).
 
@@ -220,9 +221,9 @@ async def serve_asgi(
 
 @dataclass(frozen=True, slots=True)
 class Server:
-    """One listener of a process: its name (in logs), its app, its bound socket, its Hypercorn
-    settings, and whether it takes the process's TLS (`tls=False` keeps it plain, as the
-    replica's metrics listener, docs/tls.md)."""
+    """One listener of a process: its name (in logs), its app, its bound socket, its server's
+    settings (Hypercorn's, or an `H2Config` for the lean HTTP/2 server), and whether it takes the
+    process's TLS (`tls=False` keeps it plain, as the replica's metrics listener, docs/tls.md)."""
 
     name: str
     app: ASGIApp
@@ -267,9 +268,9 @@ class Servers:
         ssl_context: ssl.SSLContext | None = None,
         supervise: Callable[..., Awaitable[None]] | None = None,
     ) -> None:
-        """Serve each of `servers` (`serve_asgi`) in a task of `nursery`, in order, each listener
-        serving before the next starts; over TLS with `ssl_context`, except a server with
-        `tls=False`.
+        """Serve each of `servers` (`serve_asgi`, or `serve_h2` for an `H2Config`) in a task of
+        `nursery`, in order, each listener serving before the next starts; over TLS with
+        `ssl_context`, except a server with `tls=False`.
 
         `supervise(name, serve, task_status=...)` runs each server's task in its place, so the
         caller decides what a server that ends means (the replica shuts down); without it, the
