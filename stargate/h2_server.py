@@ -69,7 +69,8 @@ import trio
 from hyperframe.frame import GoAwayFrame
 
 from stargate import accept_queue
-from stargate.socket_io import SocketReader, write_now
+from stargate.asgi import ASGIApp, ASGIMessage, ASGIScope
+from stargate.socket_io import SocketReader, send_now
 
 __all__ = [
     "CONNECTION_WINDOW",
@@ -80,10 +81,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-ASGIApp = Callable[
-    [dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]
-]
 
 DELIVER_EXTENSION = "stargate.deliver"
 """An ASGI extension of this server: `scope["extensions"][DELIVER_EXTENSION]["deliver"](callback)`
@@ -133,16 +130,12 @@ class H2Config:
     max_concurrent_streams: int = 100
     max_header_list_size: int = 65536
     tls_handshake_timeout: float = 10.0
-    _leaving: bool = False
-    _connections: set[_Connection] = field(default_factory=set)
-
-    @property
-    def leaving(self) -> bool:
-        return self._leaving
+    leaving: bool = field(default=False, init=False)
+    _connections: set[_Connection] = field(default_factory=set, init=False, repr=False)
 
     def leave(self) -> None:
         """GOAWAY to every open connection and to every later one (idempotent)."""
-        self._leaving = True
+        self.leaving = True
         for connection in list(self._connections):
             connection.go_away()
 
@@ -187,6 +180,7 @@ async def _serve_connection(
     app: ASGIApp, stream: trio.abc.Stream, config: H2Config, server: tuple[Any, ...], tls: bool
 ) -> None:
     """One accepted connection, from its TLS handshake (if any) to its close."""
+    client: tuple[Any, ...] = ()
     try:
         transport: trio.abc.Stream = stream
         if isinstance(stream, trio.SSLStream):
@@ -197,8 +191,8 @@ async def _serve_connection(
             transport = stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
             return
-        client = transport.socket.getpeername()
-        connection = _Connection(app, stream, config, tuple(client[:2]), server, tls)
+        client = tuple(transport.socket.getpeername()[:2])
+        connection = _Connection(app, stream, config, client, server, tls)
         config._connections.add(connection)
         try:
             await connection.run()
@@ -209,7 +203,7 @@ async def _serve_connection(
     except Exception:
         # A bug here or in h2 ends this connection only, never the listener (and with it the
         # replica): its streams' apps have heard a disconnect.
-        log.exception("HTTP/2 connection failed; closed")
+        log.exception("HTTP/2 connection from %s failed; closed", client or "(unknown)")
     finally:
         # TLS: the listener is https_compatible, as Hypercorn's, so no close_notify is sent (nor
         # expected): clients frame by length and by HTTP/2's own GOAWAY.
@@ -237,10 +231,10 @@ class _Stream:
     def __init__(self, stream_id: int) -> None:
         self.id = stream_id
         # Request events not yet received, each with its flow-controlled length.
-        self.events: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
+        self.events: collections.deque[tuple[ASGIMessage, int]] = collections.deque()
         self.wakeup: trio.Event | None = None
         # Set by an app that takes DELIVER_EXTENSION: events go to it as they arrive.
-        self.callback: Callable[[dict[str, Any]], bool] | None = None
+        self.callback: Callable[[ASGIMessage], bool] | None = None
         self.callback_done = False  # the callback has had its last event
         self.ended_remote = False  # the client ended its side (END_STREAM, trailers) or reset it
         self.ended_local = False  # we ended ours (END_STREAM sent, or reset)
@@ -250,7 +244,7 @@ class _Stream:
         self.trailers_expected = False
         self.head: list[tuple[bytes, bytes]] = []
 
-    def push(self, event: dict[str, Any], flow: int) -> None:
+    def push(self, event: ASGIMessage, flow: int) -> None:
         self.events.append((event, flow))
         wakeup = self.wakeup
         if wakeup is not None:
@@ -312,9 +306,10 @@ class _Connection:
             first = b""
             with trio.move_on_after(self.config.idle_timeout):
                 first = await self._receive()
-            if first[: len(_PREFACE)] != _PREFACE[: len(first)] or not first:
-                if first:
-                    await self.stream.send_all(_HTTP_505)
+            if not first:
+                return
+            if not (first.startswith(_PREFACE) or _PREFACE.startswith(first)):
+                await self.stream.send_all(_HTTP_505)
                 return
             self.h2.initiate_connection()
             self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
@@ -417,7 +412,7 @@ class _Connection:
         if authority:
             headers.insert(0, (b"host", authority))
         raw_path, _, query = path.partition(b"?")
-        scope: dict[str, Any] = {
+        scope: ASGIScope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "2",
@@ -450,7 +445,7 @@ class _Connection:
             # last request; the client reconnects, perhaps to another replica.
             self.go_away(stream_id)
 
-    def _deliver(self, stream: _Stream, event: dict[str, Any], flow: int = 0) -> None:
+    def _deliver(self, stream: _Stream, event: ASGIMessage, flow: int = 0) -> None:
         """Hand `event` to the stream's app: queued for its `receive()`, or to its callback."""
         callback = stream.callback
         if callback is None:
@@ -465,7 +460,7 @@ class _Connection:
         if flow and not stream.reset:
             self.h2.acknowledge_received_data(flow, stream.id)
 
-    def _take_over(self, stream: _Stream, callback: Callable[[dict[str, Any]], bool]) -> None:
+    def _take_over(self, stream: _Stream, callback: Callable[[ASGIMessage], bool]) -> None:
         """DELIVER_EXTENSION: from now on `callback` gets the stream's request events, first the
         ones already queued."""
         stream.callback = callback
@@ -477,8 +472,8 @@ class _Connection:
         if acknowledged and self.nursery is not None:
             self.nursery.start_soon(self.flush)  # the WINDOW_UPDATE it may have queued
 
-    async def _run_app(self, stream: _Stream, scope: dict[str, Any]) -> None:
-        async def receive() -> dict[str, Any]:
+    async def _run_app(self, stream: _Stream, scope: ASGIScope) -> None:
+        async def receive() -> ASGIMessage:
             while not stream.events:
                 stream.wakeup = trio.Event()
                 await stream.wakeup.wait()
@@ -489,9 +484,7 @@ class _Connection:
                 await self.flush()
             return event
 
-        async def send(message: dict[str, Any]) -> None:
-            await self._send(stream, message)
-
+        send = functools.partial(self._send, stream)  # no extra frame per send: the acks' path
         try:
             await self.app(scope, receive, send)
         except Exception:
@@ -512,7 +505,7 @@ class _Connection:
 
     # ---- sending ------------------------------------------------------------------------------
 
-    async def _send(self, stream: _Stream, message: dict[str, Any]) -> None:
+    async def _send(self, stream: _Stream, message: ASGIMessage) -> None:
         kind = message["type"]
         if stream.reset or stream.ended_local or self.broken:
             # The client is gone or the response is complete: dropped, as Hypercorn does.
@@ -618,25 +611,15 @@ class _Connection:
         lock = self.write_lock
         if lock.locked():
             async with lock:
-                await self._send_all(self._take())
+                await self._write(self._take())
             return
         data = self._take()
-        if not data:
-            return
-        if self.plain is not None:
+        if data:
+            lock.acquire_nowait()  # held before any yield: a later flush cannot overtake this one
             try:
-                sent = write_now(self.plain, data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self._broken()
-                return
-            if sent == len(data):
-                return
-            data = data[sent:]
-        lock.acquire_nowait()
-        try:
-            await self._send_all(data)
-        finally:
-            lock.release()
+                await self._write(data)
+            finally:
+                lock.release()
 
     def _take(self) -> bytes:
         """Everything queued to be written: h2's frames, then our raw ones."""
@@ -646,11 +629,11 @@ class _Connection:
             self.pending.clear()
         return b"" if self.broken else data
 
-    async def _send_all(self, data: bytes) -> None:
+    async def _write(self, data: bytes) -> None:
         if not data:
             return
         try:
-            await self.stream.send_all(data)
+            await send_now(self.stream, self.plain, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._broken()
         except BaseException:

@@ -21,7 +21,7 @@ import os
 
 import trio
 
-__all__ = ["SocketReader", "write_now"]
+__all__ = ["SocketReader", "send_now", "write_now"]
 
 
 class SocketReader:
@@ -81,3 +81,21 @@ def write_now(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview
         return 0
     except OSError as exc:
         raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
+
+
+async def send_now(
+    stream: trio.abc.Stream,
+    sock: trio.socket.SocketType | None,
+    data: bytes | bytearray | memoryview,
+) -> None:
+    """Send all of `data` on `stream`: at once with `write_now` when `sock` (its plain TCP socket;
+    None for TLS) takes it whole, without yielding; the rest with the stream's `send_all`.
+
+    Not a checkpoint when the write completes at once. Errors are trio's, as from `send_all`.
+    """
+    if sock is not None:
+        sent = write_now(sock, data)
+        if sent == len(data):
+            return
+        data = memoryview(data)[sent:]
+    await stream.send_all(data)

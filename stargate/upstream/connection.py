@@ -42,7 +42,7 @@ import trio
 from h11 import _abnf as abnf
 from h11._readers import ChunkedReader
 
-from stargate.socket_io import SocketReader, write_now
+from stargate.socket_io import SocketReader, send_now
 from stargate.upstream.chunked import ChunkedDecoder, ChunkedError
 from stargate.upstream.errors import ResponseHeadTimeout, UpstreamProtocolError
 from stargate.upstream.status_head import HeadError, StatusHead, parse_status_head
@@ -207,12 +207,7 @@ class Connection:
         `ClosedResourceError`).
         """
         sock = self._plain
-        if sock is not None and sock.fileno() >= 0:
-            sent = write_now(sock, data)
-            if sent == len(data):
-                return
-            data = memoryview(data)[sent:]
-        await self.stream.send_all(data)
+        await send_now(self.stream, sock if sock is not None and sock.fileno() >= 0 else None, data)
 
     async def receive(self) -> bytes:
         """The bytes available now, waiting for some if there are none (b"" at EOF).
