@@ -1,7 +1,8 @@
-"""`SocketReader` and `write_now` (stargate/socket_io.py): a read waits for readability before
-it reads, so a connection read before its data arrives costs no failed `read(2)`; after a read
-that filled the buffer the next reads first; every read is a checkpoint; a write is one
-`write(2)` without a checkpoint; a closed socket is trio's error."""
+"""`SocketReader`, `write_now` and `send_now` (stargate/socket_io.py): a read waits for
+readability before it reads, so a connection read before its data arrives costs no failed
+`read(2)`; after a read that filled the buffer the next reads first; every read is a checkpoint;
+a write is one `write(2)` without a checkpoint, and `send_now` sends the rest with `send_all`; a
+closed socket is trio's error."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from stargate.socket_io import SocketReader, write_now
+from stargate.socket_io import SocketReader, send_now, write_now
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -105,3 +106,24 @@ async def test_write_now_raises_trios_errors() -> None:
     ours.close()
     with pytest.raises(trio.ClosedResourceError):
         write_now(ours, b"x")
+
+
+async def test_send_now_writes_at_once_and_sends_what_the_buffer_did_not_take() -> None:
+    ours, peer = trio.socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    stream = trio.SocketStream(ours)
+    with trio.testing.assert_no_checkpoints():
+        await send_now(stream, ours, b"ack")  # whole: no yield
+    big = b"x" * 1_000_000
+    received = bytearray()
+
+    async def read_all() -> None:
+        while len(received) < 3 + len(big):
+            received.extend(await peer.recv(65536))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)
+        await send_now(stream, ours, big)  # the rest after the first write, by send_all
+    assert bytes(received) == b"ack" + big
+    await stream.aclose()
+    peer.close()
