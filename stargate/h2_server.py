@@ -604,7 +604,7 @@ class _Connection:
 
         On plain TCP, with no write under way and room in the socket's buffer (nearly always: a
         heartbeat's ack is 14 bytes), it is one `write(2)` at once, without yielding
-        (stargate/socket_io.py `write_now`); whatever the socket did not take goes out with
+        (stargate/socket_io.py `send_now`); whatever the socket did not take goes out with
         `send_all`, under the write lock, which is taken before any yield so a later flush
         cannot overtake it. So it is not always a checkpoint: the sender's next await is.
         """

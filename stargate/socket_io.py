@@ -1,7 +1,8 @@
 """Reading and writing a plain TCP socket from trio, with fewer trips through the scheduler.
 
 Reads (`SocketReader`) wait for readability first, then make one `read(2)`; writes
-(`write_now`) make one `write(2)` at once and leave the rest, if any, to trio's `send_all`.
+(`write_now`) make one `write(2)` at once, and `send_now` sends the rest, if any, with trio's
+`send_all`.
 
 trio's `SocketStream.receive_some` tries the read first and waits only when it fails, which
 suits a stream whose data is usually there already. A server's connections, and a client's, are
